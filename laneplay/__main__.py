@@ -1,0 +1,5 @@
+import sys
+
+from laneplay.cli import main
+
+sys.exit(main())
