@@ -1,0 +1,24 @@
+"""Suite-wide settings: offline, deterministic, and Triton kernels through the interpreter on CPU."""
+import os
+
+# Must be set before any module defining @triton.jit kernels is imported.
+if not os.environ.get("LANEPLAY_TEST_CUDA"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
