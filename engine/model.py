@@ -1,0 +1,291 @@
+"""Laneformer in lane form (spec §1): embedding -> lanes -> layers (attention, MLP, reduce) -> aggregate -> head.
+
+The hidden state carries an explicit lane axis. We keep it lane-major, `h: [L, B, S, D]` (the spec's
+`[B, S, L, D]` with the lane axis first), so that every lane-local matmul is one slice of a `bmm`
+and a rank of the DTP runtime holds a contiguous block of lanes. A model instance may host only a
+slice of the lanes (`lanes = range(l0, l1)`); all cross-lane traffic goes through `self.comm`
+(`LocalLanes` here, collectives in `engine.dtp`), so the math is written once.
+
+A Llama checkpoint is the same model with every layer reducing PRESENT (standard tensor parallelism).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.config import NO_REDUCE, PRESENT, ModelConfig
+
+
+# ---- RoPE (spec §1.10) -----------------------------------------------------------------------
+
+def rope_frequencies(cfg: ModelConfig) -> Tensor:
+    """f_t = theta^(-2t/hd), t = 0..hd/2-1, with optional Llama-3.1 scaling; float64 for exactness."""
+    t = torch.arange(0, cfg.head_dim, 2, dtype=torch.float64)
+    freqs = cfg.rope_theta ** (-t / cfg.head_dim)
+    s = cfg.rope_scaling
+    if s is None:
+        return freqs
+    wavelen = 2 * math.pi / freqs
+    low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    blended = (1 - smooth) * freqs / s.factor + smooth * freqs
+    return torch.where(wavelen > low_wavelen, freqs / s.factor, torch.where(wavelen < high_wavelen, freqs, blended))
+
+
+def rope_tables(cfg: ModelConfig, max_positions: int, device=None) -> tuple[Tensor, Tensor]:
+    """cos, sin: [max_positions, hd/2] float32."""
+    angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), rope_frequencies(cfg))
+    return angles.cos().float().to(device), angles.sin().float().to(device)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Interleaved pairs (2t, 2t+1) rotated by pos*f_t. x: [..., S, H, hd]; cos/sin: [S, hd/2]."""
+    xf = x.float().unflatten(-1, (-1, 2))  # [..., S, H, hd/2, 2]
+    x0, x1 = xf[..., 0], xf[..., 1]
+    c, s = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
+    return out.flatten(-2).to(x.dtype)
+
+
+# ---- building blocks -------------------------------------------------------------------------
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dim, in float32; weight is [D] (replicated) or [L, 1, 1, D] (per lane)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return y.to(x.dtype) * weight
+
+
+def lane_linear(x: Tensor, w: Tensor) -> Tensor:
+    """y[l] = x[l] @ w[l].T. x: [L, B, S, I], w: [L, O, I] -> [L, B, S, O] (spec §1.2)."""
+    L, B, S, I = x.shape
+    return torch.bmm(x.reshape(L, B * S, I), w.transpose(1, 2)).view(L, B, S, -1)
+
+
+class LocalLanes:
+    """Cross-lane communication when all lanes live in this process: sums are local reductions.
+
+    `start_lane_sum` / `wait` are the issue and wait points of the delayed reduce; the DTP runtime
+    replaces them with asynchronous collectives.
+    """
+
+    def lane_sum(self, x: Tensor) -> Tensor:  # [L, ...] -> [1, ...], blocking
+        return x.sum(0, keepdim=True)
+
+    def start_lane_sum(self, x: Tensor):
+        return x.sum(0, keepdim=True)
+
+    def wait(self, handle) -> Tensor:
+        return handle
+
+
+# ---- KV cache --------------------------------------------------------------------------------
+
+class KVCache:
+    """Preallocated per-layer K/V, post-RoPE, before GQA repetition: [L*B, Hkv_lane, slots, hd].
+
+    Full-attention layers have one slot per position; sliding-window layers a ring buffer of
+    `W` slots (position p lives in slot p % W), so their memory does not grow with the sequence.
+    """
+
+    def __init__(self, cfg: ModelConfig, n_lanes: int, batch: int, max_seq_len: int, dtype, device):
+        self.batch, self.max_seq_len = batch, max_seq_len
+        self.k, self.v, self.slots = [], [], []
+        for i in range(cfg.num_layers):
+            w = cfg.window(i)
+            slots = min(w, max_seq_len) if w else max_seq_len
+            shape = (n_lanes * batch, cfg.kv_heads_per_lane, slots, cfg.head_dim)
+            self.k.append(torch.zeros(shape, dtype=dtype, device=device))
+            self.v.append(torch.zeros(shape, dtype=dtype, device=device))
+            self.slots.append(slots)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def expand_batch(self, n: int) -> "KVCache":
+        """A cache for n sequences that all start with this (batch-1) cache's content."""
+        assert self.batch == 1
+        out = object.__new__(KVCache)
+        out.batch, out.max_seq_len, out.slots = n, self.max_seq_len, list(self.slots)
+        out.k = [t.repeat_interleave(n, dim=0) for t in self.k]  # lane-major: [L*1] -> [L*n]
+        out.v = [t.repeat_interleave(n, dim=0) for t in self.v]
+        return out
+
+
+def _slot_positions(length: int, slots: int, device) -> Tensor:
+    """Absolute position held by each slot after `length` positions were written (-1 = empty)."""
+    s = torch.arange(slots, device=device)
+    pos = s + ((length - 1 - s).div(slots, rounding_mode="floor")) * slots
+    return torch.where(s < length, pos, torch.full_like(s, -1))
+
+
+def _attention_mask(q_pos: Tensor, k_pos: Tensor, window: int | None) -> Tensor:
+    """Bool [S, Skv]: query p sees key j iff j <= p (and p - W < j for sliding-window layers)."""
+    allowed = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] >= 0)
+    if window:
+        allowed &= k_pos[None, :] > q_pos[:, None] - window
+    return allowed
+
+
+# ---- the model -------------------------------------------------------------------------------
+
+@dataclass
+class LayerWeights:
+    attn_norm: Tensor  # [D] or [L, 1, 1, D]
+    wqkv: Tensor  # [L, (Hq_l + 2 Hkv_l) * hd, D]  (q, k, v of each lane's heads, fused)
+    wo: Tensor  # [L, D, Hq_l * hd]
+    ffn_norm: Tensor
+    w13: Tensor  # [L, 2 F_l, D]  (gate rows, then up rows)
+    w2: Tensor  # [L, D, F_l]
+
+
+class LaneModel(nn.Module):
+    """The whole model, or the lanes [l0, l1) of it. `weights` come from `engine.checkpoint`."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, Tensor], lanes: range | None = None, comm=None):
+        super().__init__()
+        self.cfg = cfg
+        self.lanes = lanes if lanes is not None else range(cfg.num_lanes)
+        self.comm = comm if comm is not None else LocalLanes()
+        nl = len(self.lanes)
+
+        def norm(t: Tensor) -> Tensor:  # lane norms broadcast over [L, B, S, D]
+            return t.view(nl, 1, 1, -1) if t.dim() == 2 else t
+
+        self.embed = weights["embed"]  # [V, D]
+        self.layers = [
+            LayerWeights(
+                attn_norm=norm(weights[f"layers.{i}.attn_norm"]), wqkv=weights[f"layers.{i}.wqkv"],
+                wo=weights[f"layers.{i}.wo"], ffn_norm=norm(weights[f"layers.{i}.ffn_norm"]),
+                w13=weights[f"layers.{i}.w13"], w2=weights[f"layers.{i}.w2"],
+            )
+            for i in range(cfg.num_layers)
+        ]
+        self.norm = norm(weights["norm"])
+        self.head_weight = weights["head"]  # [V, D] | [L, V, D] (lane) | [L, V/L, D] (vocab_parallel)
+        self.dtype, self.device = self.embed.dtype, self.embed.device
+        self.cos, self.sin = rope_tables(cfg, cfg.max_position_embeddings, self.device)
+
+    # -- sub-blocks (lane-local: lane l reads only its own stream and weights) ---------------------
+    def attention(self, i: int, x: Tensor, pos: int, cache: KVCache | None) -> Tensor:
+        cfg, w = self.cfg, self.layers[i]
+        L, B, S, _ = x.shape
+        hq, hkv, hd = cfg.heads_per_lane, cfg.kv_heads_per_lane, cfg.head_dim
+        q, k, v = lane_linear(x, w.wqkv).split([hq * hd, hkv * hd, hkv * hd], dim=-1)
+        cos, sin = self.cos[pos:pos + S], self.sin[pos:pos + S]
+        q = apply_rope(q.reshape(L * B, S, hq, hd), cos, sin).transpose(1, 2)  # [L*B, hq, S, hd]
+        k = apply_rope(k.reshape(L * B, S, hkv, hd), cos, sin).transpose(1, 2)  # [L*B, hkv, S, hd]
+        v = v.reshape(L * B, S, hkv, hd).transpose(1, 2)
+        window = cfg.window(i)
+        mask = None
+        if cache is None:
+            positions = torch.arange(pos, pos + S, device=x.device)
+            mask = _attention_mask(positions, positions, window)
+        elif S == 1:
+            # Decode: write first (the slot it overwrites is the one that just left the window),
+            # then attend over the filled slots, which are exactly the visible keys.
+            kc, vc, slots = cache.k[i], cache.v[i], cache.slots[i]
+            slot = pos % slots if window else pos
+            kc[:, :, slot] = k[:, :, 0]
+            vc[:, :, slot] = v[:, :, 0]
+            n = min(pos + 1, slots)
+            k, v = kc[:, :, :n], vc[:, :, :n]
+        else:
+            k, v, mask = self._prefill_cache(i, k, v, pos, cache, window)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hq != hkv)
+        o = o.transpose(1, 2).reshape(L, B, S, hq * hd)  # lane l gets its own heads back
+        return lane_linear(o, w.wo)  # [L, B, S, D]: each lane's partial sum
+
+    def _prefill_cache(self, i, k, v, pos, cache, window):
+        """S > 1 new tokens: attend over (cached keys, new keys) by absolute position, then store."""
+        kc, vc, slots = cache.k[i], cache.v[i], cache.slots[i]
+        S, dev = k.shape[2], k.device
+        q_pos = torch.arange(pos, pos + S, device=dev)
+        if pos > 0:
+            filled = min(pos, slots)
+            k_all = torch.cat([kc[:, :, :filled], k], dim=2)
+            v_all = torch.cat([vc[:, :, :filled], v], dim=2)
+            k_pos = torch.cat([_slot_positions(pos, slots, dev)[:filled], q_pos])
+        else:
+            k_all, v_all, k_pos = k, v, q_pos
+        keep = q_pos[-slots:]  # a ring keeps only the last W positions
+        idx = keep % slots if window else keep
+        kc.index_copy_(2, idx, k[:, :, -len(keep):])
+        vc.index_copy_(2, idx, v[:, :, -len(keep):])
+        return k_all, v_all, _attention_mask(q_pos, k_pos, window)
+
+    def mlp(self, i: int, x: Tensor) -> Tensor:
+        w = self.layers[i]
+        gate, up = lane_linear(x, w.w13).chunk(2, dim=-1)
+        return lane_linear(F.silu(gate) * up, w.w2)  # SwiGLU, [L, B, S, D]
+
+    # -- the only cross-lane step (spec §1.6) ---------------------------------------------------
+    def reduce(self, i: int, kind: str, x: Tensor, saved: dict) -> Tensor:
+        """What layer i's sub-block adds to the residual; `saved` carries the delayed partials."""
+        cfg, comm = self.cfg, self.comm
+        mode = cfg.reduce_mode(i, kind)
+        future = cfg.broadcasts_to_future(i, kind)
+        if mode == PRESENT:
+            total = comm.lane_sum(x)
+            if future:  # the early-layer quirk: layer i + d re-adds these (already summed) outputs
+                saved[kind, i] = (x, total)
+            return total
+        if future:  # issue point: right after wo / w2 produced the partial
+            saved[kind, i] = (x, comm.start_lane_sum(x))
+        if mode == NO_REDUCE:
+            return x * math.sqrt(cfg.num_lanes)
+        if not cfg.consumes_past(i, kind):
+            return x
+        past, handle = saved.pop((kind, i - cfg.broadcast_delay))  # wait point
+        return x + (comm.wait(handle) - past)  # own partial now + the other lanes' from layer i - d
+
+    # -- forward ---------------------------------------------------------------------------------
+    def hidden_states(self, ids: Tensor, pos: int = 0, cache: KVCache | None = None) -> Tensor:
+        """ids [B, S] at positions pos..pos+S-1 -> final residual streams [L, B, S, D]."""
+        cfg = self.cfg
+        B, S = ids.shape
+        if pos + S > cfg.max_position_embeddings:
+            raise ValueError(f"positions up to {pos + S} exceed the model's context of {cfg.max_position_embeddings}")
+        e = F.embedding(ids, self.embed)  # [B, S, D]
+        h = e.unsqueeze(0).expand(len(self.lanes), B, S, cfg.hidden_size)  # lanes start identical
+        saved: dict = {}
+        for i, w in enumerate(self.layers):
+            a = self.attention(i, rms_norm(h, w.attn_norm, cfg.norm_eps), pos, cache)
+            h = h + self.reduce(i, "attention", a, saved)
+            m = self.mlp(i, rms_norm(h, w.ffn_norm, cfg.norm_eps))
+            h = h + self.reduce(i, "mlp", m, saved)
+        return h
+
+    def head(self, h: Tensor) -> Tensor:
+        """Final norm, lane aggregation and LM head (spec §1.8). h [L, B, S, D] -> logits [B, S, V]."""
+        cfg, comm, eps = self.cfg, self.comm, self.cfg.norm_eps
+        if cfg.pre_norm_lane_agg:  # a sum over lanes, then the norm
+            y = rms_norm(comm.lane_sum(h)[0], self.norm, eps)
+            return (y @ self.head_weight.T).float()
+        hn = rms_norm(h, self.norm, eps)
+        if cfg.lm_head_type == "replicate":  # norm per lane, then the mean
+            y = comm.lane_sum(hn)[0] / cfg.num_lanes
+            return (y @ self.head_weight.T).float()
+        per_lane = lane_linear(hn, self.head_weight)  # [L, B, S, V] (lane) or [L, B, S, V/L]
+        if cfg.lm_head_type == "lane":
+            return comm.lane_sum(per_lane)[0].float()
+        return self.gather_vocab(per_lane).float()  # vocab_parallel: lane l owns vocab slice l
+
+    def gather_vocab(self, per_lane: Tensor) -> Tensor:
+        L, B, S, Vl = per_lane.shape
+        return per_lane.permute(1, 2, 0, 3).reshape(B, S, L * Vl)
+
+    def forward(self, ids: Tensor, pos: int = 0, cache: KVCache | None = None, last_only: bool = False) -> Tensor:
+        h = self.hidden_states(ids, pos, cache)
+        if last_only:
+            h = h[:, :, -1:]
+        return self.head(h)
+
+    def new_cache(self, batch: int, max_seq_len: int | None = None) -> KVCache:
+        return KVCache(self.cfg, len(self.lanes), batch, max_seq_len or self.cfg.max_position_embeddings,
+                       self.dtype, self.device)
