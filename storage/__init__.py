@@ -1,0 +1,61 @@
+"""Laneplay storage: sessions, generations, pass@N results and share links (SQLAlchemy 2, SQLite by
+default, any SQLAlchemy URL works). Independent of the engine; `app` and `evals` use it.
+
+    from storage import Store, ValidationError, NotFound
+    db = Store(url=None)          # url, else $LANEPLAY_DATABASE_URL, else $LANEPLAY_DATA_DIR/laneplay.db
+                                  # (default ./data); migrates to the newest schema on open
+    sid = db.create_session(*, title="", model="", device="", world_size=1, columns=1,
+                            code="", instruction="", params=None) -> str
+    db.get_session(sid) -> dict | None          # with "generations" and "comparisons" (full)
+    db.update_session(sid, **fields) -> None     # any of title, model, device, world_size, columns,
+                                                 # code, instruction, params
+    db.list_sessions(limit=50) -> list[dict]     # summaries, most recently updated first
+    db.delete_session(sid) -> bool               # cascades, share links included
+    db.add_generations(sid, records) -> int      # one batch of <= 16 samples; returns its batch number.
+        # record: mapping or object with sample_index, text, [seed, temperature, finish_reason] and the
+        # engine's metrics fields prompt_tokens, completion_tokens, ttft_ms, decode_tokens_per_second,
+        # ms_per_token, device, world_size (flat, or nested under "metrics")
+    cid = db.create_comparison(*, problem_set, problem_ids, n, temperature, greedy=True,
+                               session_id=None, model="", tests=None) -> str
+    db.add_sample_results(cid, results) -> int   # problem_id, sample_index, status, [greedy, error,
+                                                 # runtime_s, completion_tokens, generation_ms]
+    db.set_passk(cid, {k: value}, *, greedy_pass1=None, greedy_seconds=None, sampled_seconds=None)
+    db.get_comparison(cid) -> dict | None        # with "results" and "passk" [{"k", "value"}]
+    db.list_comparisons(limit=50) -> list[dict]
+    token, owner_secret = db.share_session(sid)  # freezes the session now
+    db.get_shared(token) -> dict | None          # the snapshot; None if unknown or revoked (same answer)
+    db.revoke_share(token, owner_secret) -> bool
+    db.fork_shared(token) -> str | None          # a new session id with a copy of the snapshot
+    db.close()
+
+    storage.upgrade(url=None, revision="head") -> str   # also `laneplay db upgrade [--url URL]`
+    storage.current(url=None) -> str | None             # also `laneplay db current`
+
+Session and comparison ids are 128-bit random strings: they are their owner's keys (keep them out of
+share URLs; snapshots carry no ids). Every write is one transaction; bad input raises ValidationError
+(a ValueError naming the field and the limit, see storage.limits) and writes nothing; a write naming
+an unknown session or comparison raises NotFound (a LookupError). Reads of unknown ids return None.
+"""
+from __future__ import annotations
+
+import importlib
+
+# Exports are resolved on first use: `laneplay --help` imports storage.cli and must stay fast.
+_EXPORTS = {
+    "Store": "storage.store",
+    "ValidationError": "storage.validate",
+    "NotFound": "storage.validate",
+    "upgrade": "storage.db",
+    "downgrade": "storage.db",
+    "current": "storage.db",
+    "head": "storage.db",
+    "database_url": "storage.db",
+    "make_engine": "storage.db",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'storage' has no attribute {name!r}")

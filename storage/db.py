@@ -1,0 +1,122 @@
+"""Where the database is, how connections are set up, and schema migrations (Alembic, configured here
+in Python: no alembic.ini, so `laneplay db upgrade` and the app work from any directory).
+
+SQLite connections get, on every connect: a busy timeout (writers wait instead of failing with
+"database is locked"), foreign keys on, WAL (readers never block the writer) and synchronous=FULL
+(a committed transaction survives a crash of the process or the machine). Write transactions start
+with BEGIN IMMEDIATE: they take the write lock up front, so two writers never both read and then
+deadlock on upgrading to write (SQLITE_BUSY that no timeout can cure).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.pool import StaticPool
+
+BUSY_TIMEOUT_MS = 30_000
+MIGRATIONS = Path(__file__).parent / "migrations"
+WRITE = {"laneplay_write": True}  # execution option: begin with BEGIN IMMEDIATE
+
+
+def database_url(url: str | None = None) -> str:
+    """`url`, else $LANEPLAY_DATABASE_URL, else a SQLite file in $LANEPLAY_DATA_DIR (default ./data)."""
+    if url:
+        return url
+    if os.environ.get("LANEPLAY_DATABASE_URL"):
+        return os.environ["LANEPLAY_DATABASE_URL"]
+    data_dir = Path(os.environ.get("LANEPLAY_DATA_DIR") or "data")
+    return f"sqlite:///{(data_dir / 'laneplay.db').resolve()}"
+
+
+def _on_connect(dbapi_conn, _record) -> None:
+    dbapi_conn.isolation_level = None  # the driver's implicit BEGIN is replaced by _on_begin
+    cur = dbapi_conn.cursor()
+    cur.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")  # first: the WAL switch below may wait
+    cur.execute("PRAGMA foreign_keys = ON")
+    cur.execute("PRAGMA journal_mode = WAL")
+    cur.execute("PRAGMA synchronous = FULL")
+    cur.close()
+
+
+def _on_begin(conn) -> None:
+    conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.get_execution_options().get("laneplay_write") else "BEGIN")
+
+
+def make_engine(url: str | None = None) -> Engine:
+    url = make_url(database_url(url))
+    if url.get_backend_name() != "sqlite":
+        return create_engine(url, pool_pre_ping=True)
+    if url.database in (None, "", ":memory:"):
+        # One shared connection, or every session would see its own empty database.
+        engine = create_engine(url, poolclass=StaticPool, connect_args={"check_same_thread": False})
+    else:
+        Path(url.database).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"timeout": BUSY_TIMEOUT_MS / 1000})
+    event.listen(engine, "connect", _on_connect)
+    event.listen(engine, "begin", _on_begin)
+    return engine
+
+
+def alembic_config() -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    return cfg
+
+
+def head() -> str:
+    return ScriptDirectory.from_config(alembic_config()).get_current_head()
+
+
+def upgrade_engine(engine: Engine, revision: str = "head") -> str | None:
+    """Migrates in one write transaction: concurrent starts of the app take turns, and a failed
+    migration leaves the previous schema in place (SQLite has transactional DDL)."""
+    cfg = alembic_config()
+    with engine.execution_options(**WRITE).begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, revision)
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def downgrade_engine(engine: Engine, revision: str) -> str | None:
+    cfg = alembic_config()
+    with engine.execution_options(**WRITE).begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.downgrade(cfg, revision)
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def current_revision(engine: Engine) -> str | None:
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def upgrade(url: str | None = None, revision: str = "head") -> str | None:
+    """Brings the database at `url` (default: see database_url) to `revision`; returns the revision."""
+    engine = make_engine(url)
+    try:
+        return upgrade_engine(engine, revision)
+    finally:
+        engine.dispose()
+
+
+def downgrade(url: str | None, revision: str) -> str | None:
+    engine = make_engine(url)
+    try:
+        return downgrade_engine(engine, revision)
+    finally:
+        engine.dispose()
+
+
+def current(url: str | None = None) -> str | None:
+    engine = make_engine(url)
+    try:
+        return current_revision(engine)
+    finally:
+        engine.dispose()

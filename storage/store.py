@@ -1,0 +1,386 @@
+"""The repository API: every read and write the app and `laneplay eval` make.
+
+Each public write is one transaction (all rows or none) that starts with validation: bad input raises
+`ValidationError` before anything is written; a write naming an unknown session or comparison raises
+`NotFound`. Reads return plain dicts (JSON-ready, detached from the database) or None.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, selectinload, sessionmaker
+
+from storage import share
+from storage import validate as v
+from storage.db import WRITE, database_url, make_engine, upgrade_engine
+from storage.models import (STATUSES, Comparison, Generation, PassK, PlaySession, SampleResult, ShareLink,
+                            is_id, new_id, utcnow)
+from storage.validate import NotFound, ValidationError
+
+SESSION_FIELDS = ("title", "model", "device", "world_size", "columns", "code", "instruction", "params")
+RESULT_FIELDS = SampleResult.FIELDS
+
+
+def _session_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(fields) - set(SESSION_FIELDS))
+    if unknown:
+        raise ValidationError(f"session: unknown field(s) {unknown}; allowed: {', '.join(SESSION_FIELDS)}")
+    checks = {
+        "title": lambda x: v.text("title", x, "MAX_TITLE_CHARS"),
+        "model": lambda x: v.text("model", x, "MAX_MODEL_CHARS"),
+        "device": lambda x: v.text("device", x, "MAX_DEVICE_CHARS"),
+        "world_size": lambda x: v.integer("world_size", x, 1, "MAX_WORLD_SIZE"),
+        "columns": lambda x: v.integer("columns", x, 1, "MAX_COLUMNS"),
+        "code": lambda x: v.text("code", x, "MAX_CODE_CHARS"),
+        "instruction": lambda x: v.text("instruction", x, "MAX_INSTRUCTION_CHARS"),
+        "params": lambda x: v.sampling_params("params", x),
+    }
+    return {k: checks[k](x) for k, x in fields.items()}
+
+
+def _generation(i: int, rec: Any) -> dict[str, Any]:
+    f = v.record(f"records[{i}]", rec, Generation.FIELDS)
+    p = f"records[{i}]"
+    return {
+        "sample_index": v.integer(f"{p}.sample_index", f["sample_index"], 0, v.limits.MAX_SAMPLES - 1),
+        "seed": v.integer(f"{p}.seed", f["seed"], 0, "MAX_SEED", optional=True),
+        "temperature": v.number(f"{p}.temperature", f["temperature"], 0.0, "MAX_TEMPERATURE", optional=True),
+        "text": v.text(f"{p}.text", f["text"], "MAX_OUTPUT_CHARS"),
+        "finish_reason": v.text(f"{p}.finish_reason", f["finish_reason"], "MAX_FINISH_REASON_CHARS", optional=True),
+        "prompt_tokens": v.integer(f"{p}.prompt_tokens", f["prompt_tokens"], 0, "MAX_TOKENS"),
+        "completion_tokens": v.integer(f"{p}.completion_tokens", f["completion_tokens"], 0, "MAX_TOKENS"),
+        "ttft_ms": v.number(f"{p}.ttft_ms", f["ttft_ms"], 0.0, "MAX_METRIC", optional=True),
+        "decode_tokens_per_second": v.number(f"{p}.decode_tokens_per_second", f["decode_tokens_per_second"],
+                                             0.0, "MAX_METRIC", optional=True),
+        "ms_per_token": v.number(f"{p}.ms_per_token", f["ms_per_token"], 0.0, "MAX_METRIC", optional=True),
+        "device": v.text(f"{p}.device", f["device"], "MAX_DEVICE_CHARS", optional=True),
+        "world_size": v.integer(f"{p}.world_size", f["world_size"], 1, "MAX_WORLD_SIZE", optional=True),
+    }
+
+
+def _generation_batch(records: Any) -> list[dict[str, Any]]:
+    rows = [_generation(i, r) for i, r in enumerate(v.items("records", records, "MAX_SAMPLES", min_items=1))]
+    if len({r["sample_index"] for r in rows}) != len(rows):
+        raise ValidationError("records: sample_index values must be distinct within a batch")
+    return rows
+
+
+def _comparison_fields(problem_set: Any, problem_ids: Any, n: Any, temperature: Any, greedy: Any,
+                       model: Any, tests: Any) -> dict[str, Any]:
+    ids = [v.text(f"problem_ids[{i}]", p, "MAX_PROBLEM_ID_CHARS", min_chars=1)
+           for i, p in enumerate(v.items("problem_ids", problem_ids, "MAX_PROBLEMS", min_items=1))]
+    if len(set(ids)) != len(ids):
+        raise ValidationError("problem_ids: must be distinct")
+    if tests is not None:
+        tests = [v.text(f"tests[{i}]", t, "MAX_TEST_CHARS")
+                 for i, t in enumerate(v.items("tests", tests, "MAX_TESTS", min_items=1))]
+    return {"problem_set": v.text("problem_set", problem_set, "MAX_PROBLEM_SET_CHARS", min_chars=1),
+            "problem_ids": ids, "n": v.integer("n", n, 1, "MAX_SAMPLES"),
+            "temperature": v.number("temperature", temperature, 0.0, "MAX_TEMPERATURE"),
+            "greedy": v.boolean("greedy", greedy), "model": v.text("model", model, "MAX_MODEL_CHARS"),
+            "tests": tests}
+
+
+def _result(c: Comparison, problems: set[str], i: int, rec: Any) -> dict[str, Any]:
+    f = v.record(f"results[{i}]", rec, RESULT_FIELDS)
+    p = f"results[{i}]"
+    greedy = v.boolean(f"{p}.greedy", False if f["greedy"] is None else f["greedy"])
+    if greedy and not c.greedy:
+        raise ValidationError(f"{p}.greedy: this comparison has no greedy baseline")
+    problem_id = v.text(f"{p}.problem_id", f["problem_id"], "MAX_PROBLEM_ID_CHARS")
+    if problem_id not in problems:
+        raise ValidationError(f"{p}.problem_id: {problem_id!r} is not one of the comparison's problem_ids")
+    error = v.text(f"{p}.error", f["error"], "MAX_OUTPUT_CHARS", optional=True)
+    if error is not None and len(error) > v.limits.MAX_ERROR_CHARS:
+        error = "…" + error[-(v.limits.MAX_ERROR_CHARS - 1):]  # an excerpt: the end holds the exception
+    return {
+        "problem_id": problem_id, "greedy": greedy,
+        "sample_index": v.integer(f"{p}.sample_index", f["sample_index"], 0, 0 if greedy else c.n - 1),
+        "status": v.one_of(f"{p}.status", f["status"], STATUSES), "error": error,
+        "runtime_s": v.number(f"{p}.runtime_s", f["runtime_s"], 0.0, "MAX_RUNTIME_S", optional=True),
+        "completion_tokens": v.integer(f"{p}.completion_tokens", f["completion_tokens"], 0, "MAX_TOKENS",
+                                       optional=True),
+        "generation_ms": v.number(f"{p}.generation_ms", f["generation_ms"], 0.0, "MAX_METRIC", optional=True),
+    }
+
+
+def _passk(c: Comparison, values: Any, greedy_pass1: Any, greedy_seconds: Any,
+           sampled_seconds: Any) -> tuple[dict[int, float], dict[str, Any]]:
+    if not isinstance(values, Mapping):
+        raise ValidationError(f"passk: expected a mapping k -> value, got {type(values).__name__}")
+    passk = {v.integer("passk k", k, 1, c.n): v.number(f"passk[{k}]", x, 0.0, 1.0) for k, x in values.items()}
+    if greedy_pass1 is not None and not c.greedy:
+        raise ValidationError("greedy_pass1: this comparison has no greedy baseline")
+    return passk, {"greedy_pass1": v.number("greedy_pass1", greedy_pass1, 0.0, 1.0, optional=True),
+                   "greedy_seconds": v.number("greedy_seconds", greedy_seconds, 0.0, "MAX_METRIC", optional=True),
+                   "sampled_seconds": v.number("sampled_seconds", sampled_seconds, 0.0, "MAX_METRIC", optional=True)}
+
+
+class Store:
+    """A database, migrated to the newest schema on open (pass upgrade=False to skip)."""
+
+    def __init__(self, url: str | None = None, *, upgrade: bool = True) -> None:
+        self.url = database_url(url)
+        self.engine = make_engine(self.url)
+        if upgrade:
+            upgrade_engine(self.engine)
+        self._reader = sessionmaker(self.engine, expire_on_commit=False)
+        self._writer = sessionmaker(self.engine.execution_options(**WRITE), expire_on_commit=False)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @contextmanager
+    def _write(self) -> Iterator[Session]:
+        with self._writer.begin() as s:  # BEGIN IMMEDIATE ... COMMIT, or ROLLBACK on any exception
+            yield s
+
+    @contextmanager
+    def _read(self) -> Iterator[Session]:
+        with self._reader() as s:  # one BEGIN: every query sees the same snapshot
+            yield s
+
+    @staticmethod
+    def _session(s: Session, session_id: Any) -> PlaySession:
+        row = s.get(PlaySession, session_id) if is_id(session_id) else None
+        if row is None:
+            raise NotFound("session not found")
+        return row
+
+    @staticmethod
+    def _comparison(s: Session, comparison_id: Any) -> Comparison:
+        row = s.get(Comparison, comparison_id) if is_id(comparison_id) else None
+        if row is None:
+            raise NotFound("comparison not found")
+        return row
+
+    # -- sessions ---------------------------------------------------------------------------------
+
+    def create_session(self, *, title: str = "", model: str = "", device: str = "", world_size: int = 1,
+                       columns: int = 1, code: str = "", instruction: str = "",
+                       params: Mapping[str, Any] | None = None) -> str:
+        fields = _session_fields(dict(title=title, model=model, device=device, world_size=world_size,
+                                      columns=columns, code=code, instruction=instruction, params=params))
+        with self._write() as s:
+            return self._insert_session(s, fields).id
+
+    @staticmethod
+    def _insert_session(s: Session, fields: dict[str, Any]) -> PlaySession:
+        now = utcnow()
+        row = PlaySession(id=new_id(), created_at=now, updated_at=now, **fields)
+        s.add(row)
+        return row
+
+    def get_session(self, session_id: str) -> dict[str, Any] | None:
+        """The session with its generations and comparisons (with per-sample results)."""
+        if not is_id(session_id):
+            return None
+        with self._read() as s:
+            row = s.get(PlaySession, session_id, options=[
+                selectinload(PlaySession.generations),
+                selectinload(PlaySession.comparisons).selectinload(Comparison.results),
+                selectinload(PlaySession.comparisons).selectinload(Comparison.passk)])
+            return None if row is None else row.to_dict()
+
+    def update_session(self, session_id: str, **fields: Any) -> None:
+        fields = _session_fields(fields)
+        with self._write() as s:
+            row = self._session(s, session_id)
+            for k, x in fields.items():
+                setattr(row, k, x)
+            row.updated_at = utcnow()
+
+    def list_sessions(self, limit: int = 50) -> list[dict[str, Any]]:
+        """Summaries (no code, outputs or results), most recently updated first."""
+        limit = v.integer("limit", limit, 1, "MAX_SESSIONS_LISTED")
+        with self._read() as s:
+            rows = s.scalars(select(PlaySession).order_by(PlaySession.updated_at.desc()).limit(limit))
+            return [r.summary() for r in rows]
+
+    def delete_session(self, session_id: str) -> bool:
+        """Deletes the session with everything hanging off it, its share links included."""
+        if not is_id(session_id):
+            return False
+        with self._write() as s:
+            row = s.get(PlaySession, session_id)
+            if row is not None:
+                s.delete(row)
+            return row is not None
+
+    # -- generations ------------------------------------------------------------------------------
+
+    def add_generations(self, session_id: str, records: Sequence[Any]) -> int:
+        """Stores one batch (1..MAX_SAMPLES samples of one request); returns its batch number.
+        A record is a mapping or object with `sample_index`, `text`, optional `seed`, `temperature`,
+        `finish_reason` and the engine's metrics fields (flat, or nested under `metrics`)."""
+        rows = _generation_batch(records)
+        with self._write() as s:
+            return self._insert_generations(s, self._session(s, session_id), rows)
+
+    @staticmethod
+    def _insert_generations(s: Session, session: PlaySession, rows: list[dict[str, Any]],
+                            batch: int | None = None) -> int:
+        count, last = s.execute(select(func.count(), func.max(Generation.batch))
+                                .where(Generation.session_id == session.id)).one()
+        if count + len(rows) > v.limits.MAX_GENERATIONS_PER_SESSION:
+            raise ValidationError(f"records: the session would hold {count + len(rows)} generations, over the "
+                                  f"limit of {v.limits.MAX_GENERATIONS_PER_SESSION} (MAX_GENERATIONS_PER_SESSION)")
+        batch = batch if batch is not None else (last or 0) + 1
+        now = utcnow()
+        s.add_all(Generation(session_id=session.id, batch=batch, created_at=now, **r) for r in rows)
+        session.updated_at = now
+        return batch
+
+    # -- pass@N comparisons -----------------------------------------------------------------------
+
+    def create_comparison(self, *, problem_set: str, problem_ids: Sequence[str], n: int, temperature: float,
+                          greedy: bool = True, session_id: str | None = None, model: str = "",
+                          tests: Sequence[str] | None = None) -> str:
+        """A pass@N run over `problem_ids` of `problem_set`, attached to a session or standalone
+        (`laneplay eval`). Returns its id."""
+        fields = _comparison_fields(problem_set, problem_ids, n, temperature, greedy, model, tests)
+        with self._write() as s:
+            return self._insert_comparison(s, session_id, fields).id
+
+    def _insert_comparison(self, s: Session, session_id: str | None, fields: dict[str, Any]) -> Comparison:
+        if session_id is not None:
+            session = self._session(s, session_id)
+            count = s.scalar(select(func.count()).where(Comparison.session_id == session.id))
+            if count >= v.limits.MAX_COMPARISONS_PER_SESSION:
+                raise ValidationError(f"session_id: the session already holds {count} comparisons, the limit of "
+                                      f"{v.limits.MAX_COMPARISONS_PER_SESSION} (MAX_COMPARISONS_PER_SESSION)")
+            session.updated_at = utcnow()
+        row = Comparison(id=new_id(), session_id=session_id, created_at=utcnow(), **fields)
+        s.add(row)
+        return row
+
+    def add_sample_results(self, comparison_id: str, results: Iterable[Any]) -> int:
+        """Stores per-sample outcomes: each a mapping or object with `problem_id`, `sample_index`,
+        `status` (pass/fail/timeout/memory/error), optional `greedy` (the baseline; sample_index 0),
+        `error` (cut to MAX_ERROR_CHARS), `runtime_s`, `completion_tokens`, `generation_ms`.
+        Returns how many were stored."""
+        if isinstance(results, (str, bytes, Mapping)) or not isinstance(results, Iterable):
+            raise ValidationError(f"results: expected a list, got {type(results).__name__}")
+        results = list(results)
+        with self._write() as s:
+            c = self._comparison(s, comparison_id)
+            return self._insert_results(s, c, results)
+
+    @staticmethod
+    def _insert_results(s: Session, c: Comparison, results: list[Any]) -> int:
+        problems = set(c.problem_ids)
+        rows = [_result(c, problems, i, r) for i, r in enumerate(results)]
+        keys = [(r["problem_id"], r["greedy"], r["sample_index"]) for r in rows]
+        existing = set(s.execute(select(SampleResult.problem_id, SampleResult.greedy, SampleResult.sample_index)
+                                 .where(SampleResult.comparison_id == c.id)).tuples())
+        if len(set(keys)) != len(keys) or existing & set(keys):
+            raise ValidationError("results: each (problem_id, greedy, sample_index) may be stored only once")
+        s.add_all(SampleResult(comparison_id=c.id, **r) for r in rows)
+        return len(rows)
+
+    def set_passk(self, comparison_id: str, values: Mapping[int, float], *, greedy_pass1: float | None = None,
+                  greedy_seconds: float | None = None, sampled_seconds: float | None = None) -> None:
+        """Stores pass@k per k (1 <= k <= n, replacing earlier values), the greedy pass@1 and the
+        wall-clock cost of each side, and marks the comparison finished. Values are the caller's
+        (evals.passk); storage does not recompute them."""
+        with self._write() as s:
+            c = self._comparison(s, comparison_id)
+            passk, extra = _passk(c, values, greedy_pass1, greedy_seconds, sampled_seconds)
+            self._finish(s, c, passk, extra)
+
+    @staticmethod
+    def _finish(s: Session, c: Comparison, passk: dict[int, float], extra: dict[str, Any],
+                finished_at: Any = None) -> None:
+        c.passk = [PassK(k=k, value=x) for k, x in sorted(passk.items())]
+        for k, x in extra.items():
+            setattr(c, k, x)
+        c.finished_at = finished_at or utcnow()
+
+    def get_comparison(self, comparison_id: str) -> dict[str, Any] | None:
+        if not is_id(comparison_id):
+            return None
+        with self._read() as s:
+            row = s.get(Comparison, comparison_id,
+                        options=[selectinload(Comparison.results), selectinload(Comparison.passk)])
+            return None if row is None else row.to_dict()
+
+    def list_comparisons(self, limit: int = 50) -> list[dict[str, Any]]:
+        """Summaries with pass@k (no per-sample results), newest first."""
+        limit = v.integer("limit", limit, 1, "MAX_SESSIONS_LISTED")
+        with self._read() as s:
+            rows = s.scalars(select(Comparison).options(selectinload(Comparison.passk))
+                             .order_by(Comparison.created_at.desc()).limit(limit))
+            return [r.summary() for r in rows]
+
+    # -- share links ------------------------------------------------------------------------------
+
+    def share_session(self, session_id: str) -> tuple[str, str]:
+        """Freezes the session as it is now behind a new link. Returns (token, owner_secret): the
+        token goes in /s/<token>; the owner secret (to revoke) stays with the owner. Neither is
+        stored, only their SHA-256 digests."""
+        token, owner_secret = share.new_token(), share.new_owner_secret()
+        with self._write() as s:
+            row = self._session(s, session_id)
+            count = s.scalar(select(func.count()).where(ShareLink.session_id == row.id))
+            if count >= v.limits.MAX_SHARES_PER_SESSION:
+                raise ValidationError(f"session_id: the session already has {count} share links, the limit of "
+                                      f"{v.limits.MAX_SHARES_PER_SESSION} (MAX_SHARES_PER_SESSION)")
+            snapshot = share.snapshot(row.to_dict())
+            s.add(ShareLink(token_hash=share.digest(token), owner_hash=share.digest(owner_secret),
+                            session_id=row.id, created_at=utcnow(), snapshot=snapshot))
+        return token, owner_secret
+
+    def get_shared(self, token: str) -> dict[str, Any] | None:
+        """The snapshot behind `token`, or None for an unknown, revoked or malformed token (the
+        three are indistinguishable). Contains no session or comparison ids."""
+        if not share.is_token(token):
+            return None
+        with self._read() as s:
+            text = s.scalar(select(ShareLink.snapshot).where(ShareLink.token_hash == share.digest(token)))
+        return None if text is None else json.loads(text)
+
+    def revoke_share(self, token: str, owner_secret: str) -> bool:
+        """Deletes the link if `owner_secret` is the one issued with it. False otherwise, with the
+        same answer (and the same work) whether the token is unknown or the secret wrong."""
+        found = share.is_token(token)
+        with self._write() as s:
+            row = s.scalar(select(ShareLink).where(ShareLink.token_hash == share.digest(token))) if found else None
+            ok = share.owner_matches(owner_secret, row.owner_hash if row is not None else None)
+            if ok and row is not None:
+                s.delete(row)
+                return True
+        return False
+
+    def fork_shared(self, token: str) -> str | None:
+        """A new session (new id, editable, yours) with a copy of everything in the snapshot, or None."""
+        snap = self.get_shared(token)
+        if snap is None:
+            return None
+        fields = _session_fields({k: snap[k] for k in SESSION_FIELDS})
+        batches: dict[int, list[dict[str, Any]]] = {}
+        for g in snap["generations"]:
+            batches.setdefault(g["batch"], []).append(g)
+        with self._write() as s:
+            session = self._insert_session(s, fields)
+            for batch, records in sorted(batches.items()):
+                self._insert_generations(s, session, _generation_batch(records), batch=batch)
+            for c in snap["comparisons"]:
+                fields = _comparison_fields(c["problem_set"], c["problem_ids"], c["n"], c["temperature"],
+                                            c["greedy"], c["model"], c["tests"])
+                row = self._insert_comparison(s, session.id, fields)
+                self._insert_results(s, row, c["results"])
+                if c["finished_at"] is not None:
+                    passk, extra = _passk(row, {p["k"]: p["value"] for p in c["passk"]}, c["greedy_pass1"],
+                                          c["greedy_seconds"], c["sampled_seconds"])
+                    self._finish(s, row, passk, extra)
+            return session.id
