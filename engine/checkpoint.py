@@ -111,9 +111,9 @@ class SafetensorsSource(TensorSource):
             if not fpath.is_file():
                 raise CheckpointError(f"{fpath} is listed in the index but missing; re-download the checkpoint")
             try:
+                self._check_complete(fpath)
                 handle = safe_open(str(fpath), framework="pt")
                 keys = list(handle.keys())
-                self._check_complete(fpath)
             except CheckpointError:
                 raise
             except Exception as e:  # safetensors raises its own error types for corrupt headers
@@ -132,10 +132,14 @@ class SafetensorsSource(TensorSource):
     @staticmethod
     def _check_complete(fpath: Path) -> None:
         """A truncated file keeps a valid header; compare the data it promises with the file size."""
-        with fpath.open("rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(header_len))
-        data_end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        try:
+            with fpath.open("rb") as f:
+                header_len = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(min(header_len, 100_000_000)))
+            data_end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            return  # not even a header: safetensors' own error says more
+
         if 8 + header_len + data_end > fpath.stat().st_size:
             raise CheckpointError(f"{fpath} is truncated ({fpath.stat().st_size} bytes, its header describes "
                                   f"{8 + header_len + data_end}); re-download it")
