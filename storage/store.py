@@ -281,8 +281,9 @@ class Store:
         problems = set(c.problem_ids)
         rows = [_result(c, problems, i, r) for i, r in enumerate(results)]
         keys = [(r["problem_id"], r["greedy"], r["sample_index"]) for r in rows]
-        existing = set(s.execute(select(SampleResult.problem_id, SampleResult.greedy, SampleResult.sample_index)
-                                 .where(SampleResult.comparison_id == c.id)).tuples())
+        existing = {tuple(r) for r in s.execute(select(SampleResult.problem_id, SampleResult.greedy,
+                                                       SampleResult.sample_index)
+                                                .where(SampleResult.comparison_id == c.id))}
         if len(set(keys)) != len(keys) or existing & set(keys):
             raise ValidationError("results: each (problem_id, greedy, sample_index) may be stored only once")
         s.add_all(SampleResult(comparison_id=c.id, **r) for r in rows)
