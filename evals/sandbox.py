@@ -80,7 +80,12 @@ if drop and os.getuid() == 0:
     os.setresgid(%(uid)d, %(uid)d, %(uid)d)
     os.setresuid(%(uid)d, %(uid)d, %(uid)d)
     import ctypes
-    ctypes.CDLL(None).unshare(0x10000000)  # CLONE_NEWUSER: RLIMIT_NPROC now counts this sandbox only
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(0x10000000) == 0:  # CLONE_NEWUSER: RLIMIT_NPROC now counts this sandbox only
+        # ...and made us owner of that namespace, with every capability in it: give them all up.
+        header, data = (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()  # v3, all zero
+        if libc.capset(header, data) != 0:
+            sys.exit("sandbox: capset failed")
 def limit(res, soft, hard=None):
     hard = soft if hard is None else hard
     cur = r.getrlimit(res)[1]
