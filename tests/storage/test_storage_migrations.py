@@ -1,0 +1,105 @@
+"""Alembic: upgrade from empty and from the previous revision; the migrated schema is the ORM's."""
+import threading
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import inspect, text
+
+import storage
+from storage import Store
+from storage.db import alembic_config, make_engine
+from storage.models import Base
+
+TABLES = {"sessions", "generations", "comparisons", "sample_results", "passk", "share_links"}
+
+
+def schema_diff(url: str) -> list:
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            mc = MigrationContext.configure(conn, opts={"compare_type": True, "compare_server_default": True})
+            return compare_metadata(mc, Base.metadata)
+    finally:
+        engine.dispose()
+
+
+def tables(url: str) -> set[str]:
+    engine = make_engine(url)
+    try:
+        with engine.connect() as conn:
+            return set(inspect(conn).get_table_names()) - {"alembic_version"}
+    finally:
+        engine.dispose()
+
+
+def test_history_is_linear_with_two_revisions():
+    script = ScriptDirectory.from_config(alembic_config())
+    assert script.get_heads() == [storage.head()] == ["0002"]
+    assert [r.revision for r in script.walk_revisions()] == ["0002", "0001"]
+
+
+def test_upgrade_empty_database_to_head(db_url):
+    assert storage.current(db_url) is None
+    assert storage.upgrade(db_url) == "0002"
+    assert storage.current(db_url) == "0002"
+    assert tables(db_url) == TABLES
+    assert schema_diff(db_url) == []
+    assert storage.upgrade(db_url) == "0002"  # idempotent
+
+
+def test_upgrade_from_previous_revision_keeps_data(db_url):
+    assert storage.upgrade(db_url, "0001") == "0001"
+    assert tables(db_url) == TABLES - {"share_links"}
+    diff = schema_diff(db_url)  # the comparison does see a schema that is behind
+    assert [(d[0], d[1].name) for d in diff if d[0] == "add_table"] == [("add_table", "share_links")]
+    with Store(db_url, upgrade=False) as old:  # the 0001 schema is enough for sessions
+        sid = old.create_session(title="made before share links existed", code="x = 1\n")
+        old.add_generations(sid, [{"sample_index": 0, "text": "y", "prompt_tokens": 1, "completion_tokens": 1}])
+
+    with Store(db_url) as s:  # opening the store upgrades
+        assert storage.current(db_url) == "0002"
+        assert s.get_session(sid)["title"] == "made before share links existed"
+        token, _ = s.share_session(sid)
+        assert s.get_shared(token)["generations"][0]["text"] == "y"
+    assert schema_diff(db_url) == []
+
+
+def test_downgrade(db_url):
+    storage.upgrade(db_url)
+    assert storage.downgrade(db_url, "0001") == "0001"
+    assert tables(db_url) == TABLES - {"share_links"}
+    engine = make_engine(db_url)
+    with engine.connect() as conn:  # the trigger went with its table
+        assert conn.execute(text("SELECT count(*) FROM sqlite_master WHERE type = 'trigger'")).scalar_one() == 0
+    engine.dispose()
+    assert storage.downgrade(db_url, "base") is None
+    assert tables(db_url) == set()
+    assert storage.upgrade(db_url) == "0002" and schema_diff(db_url) == []
+
+
+def test_concurrent_upgrades_take_turns(db_url):
+    # Several app processes starting at once on a fresh database: each upgrade is one BEGIN IMMEDIATE
+    # transaction, so one migrates and the others find the schema already at head.
+    errors, done = [], []
+
+    def up():
+        try:
+            done.append(storage.upgrade(db_url))
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=up) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and done == ["0002"] * 4
+    assert schema_diff(db_url) == []
+
+
+@pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:"])
+def test_in_memory_upgrade(url):
+    with Store(url) as s:
+        assert s.list_sessions() == []
