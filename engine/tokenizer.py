@@ -11,7 +11,8 @@ Where the tokenizer comes from (`load_tokenizer`):
     `tokenizer.ggml.model == "gpt2"` is rebuilt as a `tokenizers` byte-level BPE (vocab + merges, the
     pre-tokenizer `tokenizer.ggml.pre` names, control tokens as special tokens, user-defined ones as added
     tokens); `"llama"` is rebuilt as a sentencepiece model from its pieces, scores and types.
-  * `tokenizer.json`: loaded with Hugging Face `tokenizers`, as transformers' fast tokenizers do.
+  * `tokenizer.json` (preferred when present, as transformers does): loaded with Hugging Face `tokenizers` and
+    used as written -- its normalizer / pre-tokenizer decide the spaces after special tokens.
   * `tokenizer.model` only: sentencepiece itself, so plain text encodes exactly like `EncodeAsIds`.
 BOS/EOS/PAD and add_bos come from `tokenizer_config.json` / `special_tokens_map.json`, then
 `generation_config.json` (its `eos_token_id` may be a list: all of them end generation), then `config.json`.
@@ -19,10 +20,11 @@ BOS/EOS/PAD and add_bos come from `tokenizer_config.json` / `special_tokens_map.
 Behaviour matched (transformers 5.x is the reference, checked in tests/engine/test_tokenizer.py):
   * encode(text) == tok.encode(text); special-token strings in the text (`<|im_end|>`, `<s>`) become single
     ids; encode_chat == apply_chat_template(tokenize=True), i.e. the rendered text with no BOS added on top.
-  * decode(ids, skip_special_tokens) == tok.decode(ids, skip_special_tokens=...); clean_up_tokenization_spaces
-    is not applied (Llama-2 and SmolLM2 both ship it off).
+  * decode(ids, skip_special_tokens) == tok.decode(ids, skip_special_tokens=...) (our default skips them,
+    transformers' does not); clean_up_tokenization_spaces is not applied (Llama-2 and SmolLM2 ship it off).
   * sentencepiece: the `legacy` flag of tokenizer_config.json (default False, as LlamaTokenizer) decides
-    whether text right after a special token gets sentencepiece's dummy-prefix space (legacy) or not.
+    whether text right after a special token gets sentencepiece's dummy-prefix space (legacy) or not;
+    GGUF "llama" vocabularies use legacy=False like transformers' GGUF loader (llama.cpp adds the space).
     Where a text starts with whitespace we follow sentencepiece (" x" -> "▁▁x"); transformers' conversion of
     a bare tokenizer.model drops that extra "▁". Invalid byte-fallback runs decode to one U+FFFD per bad
     byte; transformers turns a whole run into U+FFFDs when any byte in it is bad (only differs on broken UTF-8).
@@ -70,9 +72,10 @@ class Tokenizer:
     chat_template: str | None   # Jinja2 source; None -> engine.chat_template.FALLBACK_TEMPLATE
     special_tokens: dict[str, str]  # "bos_token"/"eos_token"/"unk_token"/"pad_token" -> string, as templates see them
 
-    def _setup(self, meta: dict) -> None:
-        """Fill the common fields from `meta` (what _resolve_meta returns)."""
-        self.__dict__.update(meta)
+    def _setup(self, fields: dict) -> "Tokenizer":
+        """Set the common fields above (the loaders work them out from the configs, see _resolve_fields)."""
+        self.__dict__.update(fields)
+        return self
 
     # --- backend-specific -------------------------------------------------------------------------------
     def _encode_text(self, text: str) -> list[int]:
@@ -126,22 +129,17 @@ class StreamDecoder:
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
-        self.ids: list[int] = []   # only the current window; older ids are dropped
-        self.prefix = 0            # window start: first token of the text emitted last time
-        self.read = 0              # tokens before this are emitted
-
-    def _decode(self, start: int, end: int | None = None) -> str:
-        return self.tokenizer.decode(self.ids[start:end], self.skip_special_tokens)
+        self.ids: list[int] = []  # the window: tokens whose text was emitted last time, then the ones not shown yet
+        self.read = 0             # how many of self.ids have been emitted
 
     def _advance(self, final: bool) -> str:
-        prefix_text = self._decode(self.prefix, self.read)
-        new_text = self._decode(self.prefix)
-        if not final and (len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd")):
+        shown = self.tokenizer.decode(self.ids[:self.read], self.skip_special_tokens)
+        text = self.tokenizer.decode(self.ids, self.skip_special_tokens)
+        if not final and (len(text) <= len(shown) or text.endswith("\ufffd")):
             return ""  # nothing visible yet, or a character is still incomplete
-        delta = new_text[len(prefix_text):]
-        del self.ids[:self.read]
-        self.prefix, self.read = 0, len(self.ids)
-        return delta
+        del self.ids[:self.read]  # the new tokens become the next window's prefix
+        self.read = len(self.ids)
+        return text[len(shown):]
 
     def push(self, token_id: int) -> str:
         self.ids.append(int(token_id))
@@ -156,9 +154,10 @@ class StreamDecoder:
 
 
 class SentencePieceTokenizer(Tokenizer):
-    """sentencepiece encoding; decoding mirrors transformers' Llama decoder (▁ -> space, byte fallback, strip one leading space)."""
+    """Encodes with sentencepiece itself; decodes like transformers' Llama decoder
+    ("▁" -> " ", <0xNN> byte runs -> UTF-8, then one leading space stripped when the model adds a dummy prefix)."""
 
-    def __init__(self, model_proto: bytes, meta_for, *, added_tokens: dict[int, tuple[str, bool]] | None = None,
+    def __init__(self, model_proto: bytes, added_tokens: dict[int, tuple[str, bool]] | None = None,
                  legacy: bool = False):
         proto = sp_pb2.ModelProto.FromString(model_proto)
         self.sp = spm.SentencePieceProcessor(model_proto=model_proto)
@@ -171,8 +170,10 @@ class SentencePieceTokenizer(Tokenizer):
         n = self.sp.get_piece_size()
         self.pieces = [self.sp.id_to_piece(i) for i in range(n)]
         self.texts: list[str | None] = [p.replace("\u2581", " ") for p in self.pieces]
-        self.byte_of: list[int | None] = [int(p[3:5], 16) if self.sp.is_byte(i) else None for i, p in enumerate(self.pieces)]
-        self.special: dict[int, str] = {i: p for i, p in enumerate(self.pieces) if self.sp.is_control(i) or self.sp.is_unknown(i)}
+        self.byte_of: list[int | None] = [int(p[3:5], 16) if self.sp.is_byte(i) else None  # "<0xE2>" -> 0xE2
+                                          for i, p in enumerate(self.pieces)]
+        self.special: dict[int, str] = {i: p for i, p in enumerate(self.pieces)
+                                        if self.sp.is_control(i) or self.sp.is_unknown(i)}
         # Added tokens (tokenizer_config added_tokens_decoder) may rename pieces or extend the vocabulary.
         for token_id, (content, is_special) in sorted((added_tokens or {}).items()):
             while len(self.texts) <= token_id:
@@ -183,10 +184,11 @@ class SentencePieceTokenizer(Tokenizer):
             else:
                 self.special.pop(token_id, None)
         # Strings matched whole in the text before sentencepiece sees it (longest first), as transformers does.
-        self.whole = {p: i for i, p in self.special.items()} | {c: i for i, (c, _) in (added_tokens or {}).items()}
-        self.whole_re = re.compile("(" + "|".join(map(re.escape, sorted(self.whole, key=len, reverse=True))) + ")") if self.whole else None
+        self.whole = {p: i for i, p in self.special.items() if p}
+        self.whole.update({c: i for i, (c, _) in (added_tokens or {}).items() if c})
+        alternatives = "|".join(map(re.escape, sorted(self.whole, key=len, reverse=True)))
+        self.whole_re = re.compile(f"({alternatives})") if self.whole else None
         self.vocab_size = len(self.texts)
-        self._setup(meta_for(self))
 
     def token_to_id(self, token: str) -> int | None:
         if token in self.whole:
@@ -234,10 +236,13 @@ class SentencePieceTokenizer(Tokenizer):
 
 
 class HFTokenizer(Tokenizer):
-    def __init__(self, tk: tokenizers.Tokenizer, meta_for):
+    """A `tokenizers.Tokenizer` (tokenizer.json, or rebuilt from a GGUF).
+
+    BOS/EOS come from our add_bos/add_eos flags, not from its post-processor."""
+
+    def __init__(self, tk: tokenizers.Tokenizer):
         self.tk = tk
         self.vocab_size = tk.get_vocab_size(with_added_tokens=True)
-        self._setup(meta_for(self))
 
     def token_to_id(self, token: str) -> int | None:
         return self.tk.token_to_id(token)
@@ -275,12 +280,16 @@ def _content(token) -> str | None:
 
 
 def _ids(value) -> list[int]:
-    return [value] if isinstance(value, int) else [v for v in value if isinstance(v, int)] if isinstance(value, list) else []
+    """A config's token id field (an int, a list of them, or missing) as a list."""
+    if isinstance(value, int):
+        return [value]
+    return [v for v in value if isinstance(v, int)] if isinstance(value, list) else []
 
 
-def _resolve_meta(tok: Tokenizer, *, tokens: dict[str, str | None], ids: dict[str, list[int]],
-                  add_bos: bool, add_eos: bool, chat_template: str | None, extra_eos: list[int] = ()) -> dict:
-    """Common fields from token strings (tokenizer config) with id fallbacks (generation/model config)."""
+def _resolve_fields(tok: Tokenizer, *, tokens: dict[str, str | None], ids: dict[str, list[int]],
+                    add_bos: bool, add_eos: bool, chat_template: str | None, extra_eos=()) -> dict:
+    """The common Tokenizer fields: special tokens named by string (tokenizer config) win over ids
+    (generation_config / config.json / GGUF); every EOS id found ends generation."""
     def first_id(name):
         token_id = tok.token_to_id(tokens[name]) if tokens.get(name) else None
         return token_id if token_id is not None else next(iter(ids.get(name, [])), None)
@@ -314,49 +323,54 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     special_map = _read_json(path / "special_tokens_map.json")
     generation_config = _read_json(path / "generation_config.json")
     model_config = _read_json(path / "config.json")
-    tokens = {n: _content(tokenizer_config.get(f"{n}_token", special_map.get(f"{n}_token"))) for n in ("bos", "eos", "pad", "unk")}
-    ids = {n: _ids(generation_config.get(f"{n}_token_id")) or _ids(model_config.get(f"{n}_token_id")) for n in ("bos", "eos", "pad")}
+    tokens = {n: _content(tokenizer_config.get(f"{n}_token", special_map.get(f"{n}_token")))
+              for n in ("bos", "eos", "pad", "unk")}
+    ids = {n: _ids(generation_config.get(f"{n}_token_id")) or _ids(model_config.get(f"{n}_token_id"))
+           for n in ("bos", "eos", "pad")}
     template = _chat_template(path, tokenizer_config)
 
     if (path / "tokenizer.json").is_file():
-        def meta_for(tok: HFTokenizer):
-            adds_bos, adds_eos = tok.post_processor_adds()
-            return _resolve_meta(tok, tokens=tokens, ids=ids, chat_template=template,
-                                 add_bos=tokenizer_config.get("add_bos_token", adds_bos),
-                                 add_eos=tokenizer_config.get("add_eos_token", adds_eos))
-        return HFTokenizer(tokenizers.Tokenizer.from_file(str(path / "tokenizer.json")), meta_for)
+        tok = HFTokenizer(tokenizers.Tokenizer.from_file(str(path / "tokenizer.json")))
+        adds_bos, adds_eos = tok.post_processor_adds()
+        return tok._setup(_resolve_fields(tok, tokens=tokens, ids=ids, chat_template=template,
+                                          add_bos=tokenizer_config.get("add_bos_token", adds_bos),
+                                          add_eos=tokenizer_config.get("add_eos_token", adds_eos)))
 
     if (path / "tokenizer.model").is_file():
-        def meta_for(tok: SentencePieceTokenizer):
-            sp_tokens = {"bos": tok.sp.id_to_piece(tok.sp.bos_id()) if tok.sp.bos_id() >= 0 else None,
-                         "eos": tok.sp.id_to_piece(tok.sp.eos_id()) if tok.sp.eos_id() >= 0 else None,
-                         "unk": tok.sp.id_to_piece(tok.sp.unk_id())}
-            return _resolve_meta(tok, tokens={n: tokens[n] or sp_tokens.get(n) for n in tokens}, ids=ids,
-                                 chat_template=template, add_bos=tokenizer_config.get("add_bos_token", True),
-                                 add_eos=tokenizer_config.get("add_eos_token", False))
-        added = {int(i): (_content(t), bool(t.get("special", True)) if isinstance(t, dict) else True)
+        added = {int(i): (_content(t), t.get("special", True) if isinstance(t, dict) else True)
                  for i, t in tokenizer_config.get("added_tokens_decoder", {}).items()}
-        return SentencePieceTokenizer((path / "tokenizer.model").read_bytes(), meta_for, added_tokens=added,
-                                      legacy=bool(tokenizer_config.get("legacy", False)))
+        tok = SentencePieceTokenizer((path / "tokenizer.model").read_bytes(), added,
+                                     legacy=bool(tokenizer_config.get("legacy", False)))  # transformers' default
+        sp = tok.sp
+        sp_tokens = {"bos": sp.id_to_piece(sp.bos_id()) if sp.bos_id() >= 0 else None,
+                     "eos": sp.id_to_piece(sp.eos_id()) if sp.eos_id() >= 0 else None,
+                     "unk": sp.id_to_piece(sp.unk_id())}
+        return tok._setup(_resolve_fields(tok, tokens={n: tokens[n] or sp_tokens.get(n) for n in tokens}, ids=ids,
+                                          chat_template=template, add_bos=tokenizer_config.get("add_bos_token", True),
+                                          add_eos=tokenizer_config.get("add_eos_token", False)))
 
     ggufs = sorted(path.glob("*.gguf"))
     if len(ggufs) == 1:
         return tokenizer_from_gguf(ggufs[0])
-    raise FileNotFoundError(f"No tokenizer in {path}: looked for tokenizer.json, tokenizer.model or a single .gguf file.")
+    raise FileNotFoundError(f"No tokenizer in {path}: looked for tokenizer.json, tokenizer.model "
+                            "or a single .gguf file.")
 
 
 # ------------------------------------------------------------------------------------------------------
 # GGUF
 
 # llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) -> how the model's own tokenizer.json splits text.
-_DIGITS_FIRST = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}  # \p{N} one by one, then GPT-2
+# Digits one by one (\p{N}), then the GPT-2 regex:
+_DIGITS_FIRST = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
 _GPT2_LIKE = {None, "default", "gpt2", "gpt-2", "mpt", "olmo", "jais"}
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
 _SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "falcon3": _LLAMA3_SPLIT,
-           "qwen2": _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}"), "deepseek-r1-qwen": _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")}
+           "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
 # GGUF has no generation_config; these control tokens end a turn in the chat formats that use them.
-_END_OF_TURN = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|end|>", "<end_of_turn>", "<|eom_id|>")
+_END_OF_TURN = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|end|>",
+                "<end_of_turn>")
 _CONTROL, _USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values (same numbering as sentencepiece)
 
 
@@ -423,22 +437,22 @@ def tokenizer_from_gguf(reader_or_path) -> Tokenizer:
     """The tokenizer described by a GGUF file's metadata; takes a path or an open gguf.GGUFReader."""
     reader = reader_or_path if isinstance(reader_or_path, gguf.GGUFReader) else gguf.GGUFReader(reader_or_path, "r")
     meta = {k[len("tokenizer."):]: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
-    kind = meta.get("ggml.model")
     if "ggml.tokens" not in meta:
-        raise ValueError(f"{reader.path if hasattr(reader, 'path') else reader_or_path} has no tokenizer metadata "
-                         "(tokenizer.ggml.tokens); use a GGUF converted with its vocabulary.")
-    tokens = meta["ggml.tokens"]
-    ids = {n: _ids(meta.get(f"ggml.{key}_token_id")) for n, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown"))}
-    types = meta.get("ggml.token_type") or []
+        raise ValueError(f"GGUF file {getattr(reader.data, 'filename', reader_or_path)} has no vocabulary "
+                         "(tokenizer.ggml.tokens); convert the model with its tokenizer included.")
+    kind, tokens, types = meta.get("ggml.model"), meta["ggml.tokens"], meta.get("ggml.token_type") or []
+    if kind == "gpt2":
+        tok = HFTokenizer(_byte_level_bpe(meta))
+    elif kind == "llama":
+        tok = SentencePieceTokenizer(_sentencepiece_proto(meta))  # legacy=False, like transformers' GGUF loader
+    else:
+        raise ValueError(f"GGUF tokenizer type {kind!r} is not supported; use one with 'gpt2' (byte-level BPE) "
+                         "or 'llama' (sentencepiece).")
+    ids = {n: _ids(meta.get(f"ggml.{key}_token_id"))
+           for n, key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown"))}
     extra_eos = [*_ids(meta.get("ggml.eot_token_id")), *_ids(meta.get("ggml.eom_token_id")),
                  *(i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == _CONTROL and t in _END_OF_TURN)]
-
-    def meta_for(tok):
-        return _resolve_meta(tok, tokens={}, ids=ids, extra_eos=extra_eos, chat_template=meta.get("chat_template"),
-                             add_bos=meta.get("ggml.add_bos_token", kind == "llama"),
-                             add_eos=meta.get("ggml.add_eos_token", False))
-    if kind == "gpt2":
-        return HFTokenizer(_byte_level_bpe(meta), meta_for)
-    if kind == "llama":
-        return SentencePieceTokenizer(_sentencepiece_proto(meta), meta_for)
-    raise ValueError(f"GGUF tokenizer type {kind!r} is not supported; supported: 'gpt2' (byte-level BPE), 'llama' (sentencepiece).")
+    return tok._setup(_resolve_fields(tok, tokens={}, ids=ids, extra_eos=extra_eos,
+                                      chat_template=meta.get("chat_template"),
+                                      add_bos=meta.get("ggml.add_bos_token", kind == "llama"),
+                                      add_eos=meta.get("ggml.add_eos_token", False)))
