@@ -128,16 +128,13 @@ def _keep_definitions(code: str, warnings: list[str]) -> str:
         warnings.append(f"the extracted code does not parse: {getattr(e, 'msg', e)}")
         return code
     lines = code.split("\n")
-    kept, dropped = [], 0
-    for node in tree.body:
-        if _is_demo(node):
-            dropped += 1
-            continue
-        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
-        kept.append("\n".join(lines[first - 1:node.end_lineno]))
-    if dropped:
-        warnings.append(f"dropped {dropped} top-level statement(s) that run code (prints, asserts, main block)")
-    return "\n".join(kept) + "\n"
+    dropped = [node for node in tree.body if _is_demo(node)]
+    if not dropped:
+        return code
+    for node in dropped:
+        lines[node.lineno - 1:node.end_lineno] = [None] * (node.end_lineno - node.lineno + 1)
+    warnings.append(f"dropped {len(dropped)} top-level statement(s) that run code (prints, asserts, main block)")
+    return "\n".join(line for line in lines if line is not None)
 
 
 def _restore_from_prompt(problem: Problem, code: str, warnings: list[str]) -> str:
