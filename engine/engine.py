@@ -1,15 +1,21 @@
 """`load_engine`: the one place where device, dtype and runtime are chosen."""
 from __future__ import annotations
 
+import functools
 import os
+import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import Tensor
 
-from engine.checkpoint import open_checkpoint, load_weights, resolve_checkpoint
+from engine.checkpoint import GGUFSource, load_weights, open_checkpoint, resolve_checkpoint
 from engine.config import ModelConfig
+from engine.generate import GenerationEvent, check_context, prompt_ids, stream_events, token_steps
 from engine.model import LaneModel
+from engine.sampling import SamplingParams, sample, sample_seeds
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
@@ -43,13 +49,12 @@ class Engine:
         self.device, self.dtype = device, dtype
         self.world_size = 1
         self._tokenizer = tokenizer
+        self._cache = None
 
     @property
     def tokenizer(self):
-        if self._tokenizer is None:
-            from engine.tokenizer import load_tokenizer
-
-            self._tokenizer = load_tokenizer(self.path)
+        if isinstance(self._tokenizer, Exception):  # a checkpoint without tokenizer files
+            raise self._tokenizer
         return self._tokenizer
 
     @property
@@ -67,6 +72,61 @@ class Engine:
         if int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
         return self.model(ids.to(self.device), pos=0, cache=None)
+
+    # ---- generation ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, ids: Tensor, n: int, max_seq_len: int) -> Tensor:
+        """Prompt at batch 1 into a fresh cache, copied to n samples; logits of the last token [n, V]."""
+        cache = self.model.new_cache(1, max_seq_len)
+        logits = self.model(ids, pos=0, cache=cache, last_only=True)[:, -1]
+        self._cache = cache.expand_batch(n) if n > 1 else cache
+        return logits.expand(n, -1)
+
+    @torch.inference_mode()
+    def decode_step(self, tokens: Tensor, pos: int) -> Tensor:
+        """One token per sample at position pos: tokens [n, 1] -> logits [n, V]."""
+        return self._step(tokens, pos, self._cache)
+
+    def _step(self, tokens: Tensor, pos: int, cache) -> Tensor:
+        return self.model(tokens, pos=pos, cache=cache)[:, -1]
+
+    def prepare(self, prompt, params: SamplingParams | None = None, chat: bool = False):
+        """Validate everything before any model work: (prompt ids, params)."""
+        params = (params or SamplingParams()).validate()
+        ids = prompt_ids(self.tokenizer, prompt, chat)
+        if any(not 0 <= t < self.cfg.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must lie in [0, {self.cfg.vocab_size})")
+        check_context(len(ids), params, self.cfg.max_position_embeddings)
+        return ids, params
+
+    def generate(self, prompt, params: SamplingParams | None = None, chat: bool = False,
+                 should_stop=None, **overrides) -> Iterator[GenerationEvent]:
+        """Stream GenerationEvents (text deltas per sample). Bad input raises before any work."""
+        t_start = time.perf_counter()
+        if overrides:
+            params = replace(params or SamplingParams(), **overrides)
+        ids, params = self.prepare(prompt, params, chat)
+        return self._generate(ids, params, t_start, should_stop)
+
+    def _generate(self, ids, params, t_start, should_stop):
+        seeds = sample_seeds(params)
+        steps = self._token_steps(ids, params, seeds, should_stop)
+        return stream_events(steps, params, seeds, self.tokenizer, self.eos_ids, len(ids), str(self.device),
+                             self.world_size, t_start)
+
+    def _token_steps(self, ids, params, seeds, should_stop):
+        try:
+            yield from token_steps(self, ids, params, self.eos_ids, seeds, should_stop)
+        finally:
+            self._cache = None  # a finished or abandoned request frees its KV cache
+
+    def pick(self, logits: Tensor, params: SamplingParams, generators) -> Tensor:
+        return sample(logits, params, generators)
+
+    @functools.cached_property
+    def eos_ids(self) -> set[int]:
+        """Token ids that end a sample: from config.json and the tokenizer's configs."""
+        return set(self.cfg.eos_token_ids) | set(self.tokenizer.eos_ids)
 
     def close(self) -> None:
         self.model = None
@@ -89,7 +149,18 @@ def load_engine(model: str | os.PathLike = "smollm2-135m-instruct", device: str 
     path = resolve_checkpoint(model)
     cfg, src = open_checkpoint(path)
     try:
+        tokenizer = load_checkpoint_tokenizer(path, src)
         weights = load_weights(cfg, src, dtype=dt, device=dev)
     finally:
         src.close()
-    return Engine(cfg, LaneModel(cfg, weights), path, dev, dt)
+    return Engine(cfg, LaneModel(cfg, weights), path, dev, dt, tokenizer=tokenizer)
+
+
+def load_checkpoint_tokenizer(path: Path, src):
+    """The checkpoint's tokenizer (GGUF: from the already parsed file), or the error saying why not."""
+    from engine.tokenizer import load_tokenizer, tokenizer_from_gguf
+
+    try:
+        return tokenizer_from_gguf(src.reader) if isinstance(src, GGUFSource) else load_tokenizer(path)
+    except FileNotFoundError as e:
+        return e  # raised when text is first needed; logits() works without a tokenizer

@@ -67,6 +67,20 @@ def lane_linear(x: Tensor, w: Tensor) -> Tensor:
     return torch.bmm(x.reshape(L, B * S, I), w.transpose(1, 2)).view(L, B, S, -1)
 
 
+def decode_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """One query token over all visible keys; the GQA group of a KV head shares one matmul.
+
+    q [N, Hq, 1, hd], k/v [N, Hkv, T, hd] -> [N, Hq, 1, hd]. Scores softmax in float32.
+    (Small matmuls beat the fused CPU attention kernel at one query.)
+    """
+    N, hq, _, hd = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(N, hkv, hq // hkv, hd)  # query head j uses KV head j // (hq / hkv)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * hd ** -0.5  # [N, Hkv, rep, T]
+    probs = scores.softmax(-1).to(v.dtype)
+    return torch.matmul(probs, v).reshape(N, hq, 1, hd)
+
+
 class LocalLanes:
     """Cross-lane communication when all lanes live in this process: sums are local reductions.
 
@@ -197,7 +211,10 @@ class LaneModel(nn.Module):
             k, v = kc[:, :, :n], vc[:, :, :n]
         else:
             k, v, mask = self._prefill_cache(i, k, v, pos, cache, window)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hq != hkv)
+        if S == 1:
+            o = decode_attention(q, k, v)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hq != hkv)
         o = o.transpose(1, 2).reshape(L, B, S, hq * hd)  # lane l gets its own heads back
         return lane_linear(o, w.wo)  # [L, B, S, D]: each lane's partial sum
 

@@ -50,14 +50,11 @@ def test_llama_split_into_lanes_is_the_same_function(tmp_path, lanes):
 
 
 @pytest.mark.slow
-def test_embedded_gguf_matches_transformers_gguf_loader():
-    path = resolve_checkpoint("smollm2-135m-instruct")
-    ref_model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                                  dtype=torch.float32).eval()
+def test_embedded_gguf_matches_transformers_gguf_loader(default_engine, hf_default_model):
     ids = torch.tensor([[1, 504, 3458, 282, 4649, 314, 216, 33, 34, 35, 2]])
     with torch.no_grad():
-        ref = ref_model(ids).logits
-    got = load_engine("smollm2-135m-instruct").logits(ids)
+        ref = hf_default_model(ids).logits
+    got = default_engine.logits(ids)
     assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 

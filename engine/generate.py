@@ -1,0 +1,162 @@
+"""The generation loop: one shared prefill, n samples decoded as one batch, streamed as text deltas.
+
+Prefill runs once at batch 1 and its KV cache is copied to the n samples. Each decode step runs the
+one-token forward for the whole batch (a compiled step where available), samples on device, and
+does one host transfer of the n new token ids, which streaming needs anyway. Timing is taken here,
+where tokens are produced: TTFT from the start of the request, decode speed over first..last token.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterator
+
+import torch
+
+from engine.metrics import GenerationMetrics
+from engine.sampling import SamplingParams, make_generators, sample, sample_seeds
+
+
+@dataclass
+class GenerationEvent:
+    sample_index: int
+    text: str  # new text since the previous event of this sample
+    token_ids: list[int]  # new token ids since the previous event of this sample
+    finish_reason: str | None  # None while running; "stop" (EOS or stop string) or "length" at the end
+    metrics: GenerationMetrics
+
+
+class StopMatcher:
+    """Finds stop strings across token boundaries; holds back text that may be a stop's beginning."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = stops
+        self.text = ""  # everything decoded so far
+        self.emitted = 0  # how much of it was released
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """Add decoded text; returns (text safe to release, whether a stop string was hit)."""
+        search_from = max(0, self.emitted - max((len(s) for s in self.stops), default=0))
+        self.text += delta
+        hits = [i for i in (self.text.find(s, search_from) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.emitted = self.text[self.emitted:min(hits)], len(self.text)
+            return out, True
+        hold = 0
+        for s in self.stops:  # the longest text suffix that is a proper prefix of a stop string
+            for k in range(min(len(s) - 1, len(self.text)), hold, -1):
+                if self.text.endswith(s[:k]):
+                    hold = k
+                    break
+        end = max(self.emitted, len(self.text) - hold)
+        out, self.emitted = self.text[self.emitted:end], end
+        return out, False
+
+    def flush(self) -> str:
+        out, self.emitted = self.text[self.emitted:], len(self.text)
+        return out
+
+
+@dataclass
+class _Sample:
+    index: int
+    seed: int
+    decoder: object
+    stop: StopMatcher
+    metrics: GenerationMetrics
+    t_first: float | None = None
+    t_last: float | None = None
+    finish_reason: str | None = None
+    pending_ids: list[int] = field(default_factory=list)
+
+
+def prompt_ids(tokenizer, prompt, chat: bool) -> list[int]:
+    """Token ids for a text prompt, a chat (str or list of messages), or ready-made ids."""
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        return tokenizer.encode_chat(list(prompt))
+    if not isinstance(prompt, str):
+        raise ValueError("prompt must be a string, a list of token ids or a list of chat messages")
+    if not prompt.strip():
+        raise ValueError("prompt is empty")
+    if chat:
+        return tokenizer.encode_chat([{"role": "user", "content": prompt}])
+    return tokenizer.encode(prompt)
+
+
+def check_context(n_prompt: int, params: SamplingParams, context: int) -> None:
+    if n_prompt == 0:
+        raise ValueError("prompt is empty")
+    if n_prompt + params.max_tokens > context:
+        raise ValueError(f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
+                         f"context of {context} tokens; shorten the prompt or lower max_tokens")
+
+
+def token_steps(runner, ids: list[int], params: SamplingParams, eos_ids: set[int], seeds: list[int],
+                should_stop: Callable[[], bool] | None = None) -> Iterator[tuple[list[int], float]]:
+    """The token side of a request: yields (one new token per sample, time it was produced).
+
+    `runner` provides `prefill(ids [1, S], n, max_seq_len) -> X`, `decode_step(tokens [n, 1], pos) -> X`
+    and `pick(X, params, generators) -> tokens [n]` (X: logits, or per-rank shards under DTP).
+    Stops when every sample hit EOS, at max_tokens, or when `should_stop()` says so.
+    """
+    n = params.n
+    generators = make_generators(seeds, runner.device)
+    x = runner.prefill(torch.tensor([ids], dtype=torch.long, device=runner.device), n, len(ids) + params.max_tokens)
+    done = [False] * n
+    for step in range(params.max_tokens):
+        tokens = runner.pick(x, params, generators)  # [n], on device
+        host = tokens.tolist()  # the one host sync per step; streaming needs the ids anyway
+        yield host, time.perf_counter()
+        if not params.ignore_eos:
+            done = [d or t in eos_ids for d, t in zip(done, host)]
+        if all(done) or step == params.max_tokens - 1 or (should_stop is not None and should_stop()):
+            return
+        x = runner.decode_step(tokens.view(n, 1), len(ids) + step)
+
+
+def stream_events(steps: Iterator[tuple[list[int], float]], params: SamplingParams, seeds: list[int], tokenizer,
+                  eos_ids: set[int], prompt_tokens: int, device: str, world_size: int,
+                  t_start: float) -> Iterator[GenerationEvent]:
+    """The text side: incremental detokenization, stop strings, finish reasons and timing per sample."""
+    samples = [
+        _Sample(i, s, tokenizer.stream(), StopMatcher(params.stop),
+                GenerationMetrics(prompt_tokens=prompt_tokens, device=device, world_size=world_size, seed=s))
+        for i, s in enumerate(seeds)
+    ]
+    try:
+        for step, (host, now) in enumerate(steps):
+            last_step = step == params.max_tokens - 1
+            for s in samples:
+                if s.finish_reason is not None:
+                    continue
+                tok = host[s.index]
+                s.t_first = now if s.t_first is None else s.t_first
+                s.t_last = now
+                s.metrics.completion_tokens += 1
+                s.pending_ids.append(tok)
+                if tok in eos_ids and not params.ignore_eos:
+                    text, s.finish_reason = s.stop.feed(s.decoder.flush())[0] + s.stop.flush(), "stop"
+                else:
+                    text, hit = s.stop.feed(s.decoder.push(tok))
+                    if hit:
+                        s.finish_reason = "stop"
+                    elif last_step:
+                        text += s.stop.feed(s.decoder.flush())[0] + s.stop.flush()
+                        s.finish_reason = "length"
+                if text or s.finish_reason:
+                    s.metrics.finish_reason = s.finish_reason
+                    s.metrics.update_timing(t_start, s.t_first, s.t_last)
+                    yield GenerationEvent(s.index, text, s.pending_ids, s.finish_reason, replace(s.metrics))
+                    s.pending_ids = []
+            if all(s.finish_reason for s in samples):
+                return
+        for s in samples:  # the token side ended early (cancelled): close what is open
+            if s.finish_reason is None:
+                s.finish_reason = s.metrics.finish_reason = "cancelled"
+                yield GenerationEvent(s.index, "", s.pending_ids, "cancelled", replace(s.metrics))
+    finally:
+        close = getattr(steps, "close", None)
+        if close is not None:
+            close()
