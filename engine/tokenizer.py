@@ -176,8 +176,8 @@ class SentencePieceTokenizer(Tokenizer):
                                         if self.sp.is_control(i) or self.sp.is_unknown(i)}
         # Added tokens (tokenizer_config added_tokens_decoder) may rename pieces or extend the vocabulary.
         for token_id, (content, is_special) in sorted((added_tokens or {}).items()):
-            while len(self.texts) <= token_id:
-                self.pieces.append(None); self.texts.append(None); self.byte_of.append(None)
+            for table in (self.pieces, self.texts, self.byte_of):
+                table.extend([None] * (token_id + 1 - len(table)))  # ids past sentencepiece's own pieces
             self.pieces[token_id], self.texts[token_id], self.byte_of[token_id] = content, content, None
             if is_special:
                 self.special[token_id] = content

@@ -135,6 +135,11 @@ def spm_tok(spm_dir):
 
 
 @pytest.fixture(scope="module")
+def hf_spm(transformers, spm_dir):
+    return transformers.AutoTokenizer.from_pretrained(str(spm_dir))
+
+
+@pytest.fixture(scope="module")
 def sp(spm_model):
     return spm.SentencePieceProcessor(model_proto=spm_model)
 
@@ -167,14 +172,19 @@ def test_stream_round_trips(tok, text, skip):
 
 
 def test_stream_round_trips_arbitrary_ids(tok):
-    # Random ids: lone bytes, special tokens, broken UTF-8. The invariant still holds, and U+FFFD only shows
-    # up in a delta where decode(all ids) has it too (the concatenation is equal, so it is at the same place).
+    # Random ids: lone bytes, special tokens, broken UTF-8. The invariant still holds, and a delta only
+    # carries U+FFFD where decode(all ids) has it too.
     rng = random.Random(1)
     for _ in range(60):
         ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 30))]
         for skip in (True, False):
             deltas, tail, _ = _stream(tok, ids, skip)
-            assert "".join(deltas) + tail == tok.decode(ids, skip_special_tokens=skip)
+            full = tok.decode(ids, skip_special_tokens=skip)
+            assert "".join(deltas) + tail == full
+            at = 0
+            for delta in deltas:
+                assert all(full[at + j] == "\ufffd" for j, ch in enumerate(delta) if ch == "\ufffd")
+                at += len(delta)
 
 
 def test_stream_holds_partial_byte_fallback_character(spm_tok, sp):
@@ -201,8 +211,10 @@ def test_stream_keeps_sentencepiece_spaces(spm_tok):
 
 def test_stream_special_tokens(smol):
     ids = smol.encode_chat([{"role": "user", "content": "hi"}])
-    assert "".join(_stream(smol, ids, skip=False)[0]) + "" == smol.decode(ids, skip_special_tokens=False)
-    assert "<|im_start|>" not in "".join(_stream(smol, ids, skip=True)[0])
+    for skip in (False, True):
+        deltas, tail, _ = _stream(smol, ids, skip)
+        assert "".join(deltas) + tail == smol.decode(ids, skip_special_tokens=skip)
+        assert ("<|im_start|>" in "".join(deltas)) != skip
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -271,11 +283,10 @@ def test_sentencepiece_matches_sentencepiece_and_transformers(transformers, tmp_
     assert ours.encode(" lead") == [1] + sp.encode(" lead")
 
 
-def test_sentencepiece_decode_of_broken_bytes(spm_tok, sp, transformers, spm_dir):
-    hf = transformers.AutoTokenizer.from_pretrained(str(spm_dir))
+def test_sentencepiece_decode_of_broken_bytes_matches_transformers(spm_tok, sp, hf_spm):
     e2, x82 = sp.piece_to_id("<0xE2>"), sp.piece_to_id("<0x82>")
     for ids in ([e2], [e2, x82], [e2, sp.piece_to_id("▁the")], [1, e2, 2, x82]):
-        assert spm_tok.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+        assert spm_tok.decode(ids) == hf_spm.decode(ids, skip_special_tokens=True)
 
 
 def test_sentencepiece_metadata(spm_tok, tmp_path, spm_model):
@@ -289,9 +300,9 @@ def test_sentencepiece_metadata(spm_tok, tmp_path, spm_model):
     assert tok.eos_ids == [2, 7] and tok.pad_id == 3 and tok.encode("x")[-1] == 2
 
 
-def test_tokenizer_json_directory(transformers, tmp_path, spm_dir, hf_smol):
+def test_tokenizer_json_directory(transformers, tmp_path, hf_spm, hf_smol):
     # tokenizer.json directories (as transformers saves them) load through HF tokenizers and agree with it.
-    for name, source in [("llama", transformers.AutoTokenizer.from_pretrained(str(spm_dir))), ("smol", hf_smol)]:
+    for name, source in [("llama", hf_spm), ("smol", hf_smol)]:
         source.save_pretrained(tmp_path / name)
         ours, hf = load_tokenizer(tmp_path / name), transformers.AutoTokenizer.from_pretrained(str(tmp_path / name))
         assert ours.add_bos == (name == "llama") and ours.bos_id == hf.bos_token_id
@@ -310,13 +321,22 @@ def test_sentencepiece_gguf(tmp_path, spm_model, spm_tok):
     writer.add_token_list([p.piece for p in proto.pieces])
     writer.add_token_scores([p.score for p in proto.pieces])
     writer.add_token_types([p.type for p in proto.pieces])
-    writer.add_bos_token_id(1), writer.add_eos_token_id(2), writer.add_unk_token_id(0)
-    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     tok = load_tokenizer(tmp_path / "tiny.gguf")
     assert (tok.bos_id, tok.eos_ids, tok.add_bos) == (1, [2], True)
     for text in STREAM_TEXTS + ["<s>[INST] hi [/INST] ok </s>"]:
         assert tok.encode(text) == spm_tok.encode(text)
         assert tok.decode(tok.encode(text), False) == spm_tok.decode(spm_tok.encode(text), False)
+    # a directory holding just one .gguf loads it
+    (tmp_path / "dir").mkdir()
+    shutil.copy(tmp_path / "tiny.gguf", tmp_path / "dir")
+    assert load_tokenizer(tmp_path / "dir").encode("return 1") == spm_tok.encode("return 1")
 
 
 # ------------------------------------------------------------------------------------------------------
@@ -335,12 +355,11 @@ def test_chat_template_matches_transformers(smol, hf_smol, conversation, add_gen
 
 
 @pytest.mark.parametrize("conversation", CONVERSATIONS)
-def test_llama2_chat_template_matches_transformers(spm_tok, transformers, spm_dir, conversation):
-    hf = transformers.AutoTokenizer.from_pretrained(str(spm_dir))
-    assert spm_tok.apply_chat_template(conversation) == hf.apply_chat_template(conversation, tokenize=False,
-                                                                                add_generation_prompt=True)
+def test_llama2_chat_template_matches_transformers(spm_tok, hf_spm, conversation):
+    assert spm_tok.apply_chat_template(conversation) == hf_spm.apply_chat_template(conversation, tokenize=False,
+                                                                                    add_generation_prompt=True)
     ids = spm_tok.encode_chat(conversation)
-    assert ids == list(hf.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True)["input_ids"])
+    assert ids == list(hf_spm.apply_chat_template(conversation, tokenize=True, add_generation_prompt=True)["input_ids"])
     assert ids[0] == 1 and ids[1] != 1  # the template's BOS, and no second one
 
 
