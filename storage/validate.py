@@ -119,7 +119,6 @@ def sampling_params(field: str, value: Any) -> dict[str, Any]:
     unknown = sorted(set(value) - set(SAMPLING_PARAMS), key=str)
     if unknown:
         raise ValidationError(f"{field}: unknown key(s) {unknown}; allowed: {', '.join(SAMPLING_PARAMS)}")
-    p = dict(value)
     checks = {
         "max_tokens": lambda v: integer(f"{field}.max_tokens", v, 1, "MAX_TOKENS"),
         "temperature": lambda v: number(f"{field}.temperature", v, 0.0, "MAX_TEMPERATURE"),
@@ -130,4 +129,4 @@ def sampling_params(field: str, value: Any) -> dict[str, Any]:
         "stop": lambda v: [text(f"{field}.stop[{i}]", s, "MAX_STOP_CHARS", min_chars=1)
                            for i, s in enumerate(items(f"{field}.stop", v, "MAX_STOP_SEQUENCES"))],
     }
-    return {k: checks[k](v) for k, v in p.items()}
+    return {k: checks[k](v) for k, v in value.items()}

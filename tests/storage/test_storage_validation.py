@@ -3,13 +3,30 @@ import math
 
 import pytest
 
-from storage import NotFound, ValidationError, limits
+from storage import NotFound, Store, ValidationError, limits
 
 from .storage_testutil import gen, make_comparison, row_counts
 
 
+@pytest.fixture(scope="module")
+def shared_store(tmp_path_factory):
+    """One database for all rejected-input cases: each case checks that it wrote nothing."""
+    s = Store(f"sqlite:///{tmp_path_factory.mktemp('validation') / 'laneplay.db'}")
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def shared_ids(shared_store):
+    return _populate(shared_store)
+
+
 @pytest.fixture
 def ids(store):
+    return _populate(store)
+
+
+def _populate(store):
     sid = store.create_session(title="target")
     store.add_generations(sid, [gen()])
     cid = make_comparison(store, sid, ["p0", "p1"], n=4, greedy=True)
@@ -27,7 +44,8 @@ CASES = {
              ["code", str(limits.MAX_CODE_CHARS), "MAX_CODE_CHARS"]),
     "instruction": (lambda s, i: s.update_session(i[0], instruction=big(limits.MAX_INSTRUCTION_CHARS)),
                     ["instruction", "MAX_INSTRUCTION_CHARS"]),
-    "world_size": (lambda s, i: s.create_session(world_size=limits.MAX_WORLD_SIZE + 1), ["world_size", "MAX_WORLD_SIZE"]),
+    "world_size": (lambda s, i: s.create_session(world_size=limits.MAX_WORLD_SIZE + 1),
+                   ["world_size", "MAX_WORLD_SIZE"]),
     "columns": (lambda s, i: s.create_session(columns=limits.MAX_COLUMNS + 1), ["columns", "MAX_COLUMNS"]),
     "columns type": (lambda s, i: s.create_session(columns="2"), ["columns", "integer"]),
     "bool is not int": (lambda s, i: s.create_session(world_size=True), ["world_size", "integer"]),
@@ -77,18 +95,20 @@ CASES = {
     "half a batch": (lambda s, i: s.add_sample_results(i[1], [dict(problem_id="p0", sample_index=0, status="pass"),
                                                               dict(problem_id="p1", sample_index=0, status="??")]),
                      ["results[1].status"]),
-    "duplicate result": (lambda s, i: s.add_sample_results(i[1], [dict(problem_id="p0", sample_index=1, status="pass")] * 2),
+    "duplicate result": (lambda s, i: s.add_sample_results(i[1], [dict(problem_id="p0", sample_index=1,
+                                                                        status="pass")] * 2),
                          ["results", "once"]),
     "k > n": (lambda s, i: s.set_passk(i[1], {1: 0.5, 5: 0.9}), ["passk", "1..4"]),
     "passk value": (lambda s, i: s.set_passk(i[1], {1: 1.5}), ["passk[1]"]),
     "greedy pass1 without greedy": (lambda s, i: s.set_passk(i[2], {1: 0.5}, greedy_pass1=0.5), ["greedy_pass1"]),
-    "list limit": (lambda s, i: s.list_sessions(limit=limits.MAX_SESSIONS_LISTED + 1), ["limit", "MAX_SESSIONS_LISTED"]),
+    "list limit": (lambda s, i: s.list_sessions(limit=limits.MAX_SESSIONS_LISTED + 1),
+                   ["limit", "MAX_SESSIONS_LISTED"]),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_rejected_and_nothing_written(store, ids, name):
-    call, words = CASES[name]
+def test_rejected_and_nothing_written(shared_store, shared_ids, name):
+    call, words, store, ids = *CASES[name], shared_store, shared_ids
     before, session = row_counts(store), store.get_session(ids[0])
     with pytest.raises(ValidationError) as err:
         call(store, ids)
