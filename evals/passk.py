@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
@@ -15,8 +16,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     1 - C(n-c, k) / C(n, k), computed as 1 - prod_{i=n-c+1}^{n} (1 - k/i) to stay stable for large n.
     """
     for name, v in (("n", n), ("c", c), ("k", k)):
-        if not isinstance(v, int) or isinstance(v, bool):
+        if not isinstance(v, numbers.Integral) or isinstance(v, bool):
             raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    n, c, k = int(n), int(c), int(k)
     if n < 1:
         raise ValueError(f"n must be >= 1 (got {n})")
     if not 0 <= c <= n:

@@ -16,6 +16,7 @@ from evals.execution import DEFAULT_MEMORY_MB, DEFAULT_TIMEOUT_S, check
 from evals.passk import KS, count_statuses, mean_pass_at_ks, pass_at_ks
 from evals.problems import Problem
 from evals.prompting import chat_messages, completion_prompt, extract_code, extract_completion
+from evals.sandbox import require_sandbox
 
 MAX_SAMPLES = 16
 
@@ -123,11 +124,15 @@ def worker_count(requested: int | None) -> int:
 
 def run_eval(problems: list[Problem], generate: Generate, config: EvalConfig | None = None,
              on_sample: Callable[[SampleRecord], None] | None = None) -> EvalResult:
-    """Greedy + N samples for each problem, each checked in the sandbox; pass@k over the pool."""
+    """Greedy + N samples for each problem, each checked in the sandbox; pass@k over the pool.
+
+    `on_sample` is called from the checking threads as each sample's outcome is known.
+    """
     config = config or EvalConfig()
     config.validate()
     if not problems:
         raise ValueError("no problems to evaluate")
+    require_sandbox()  # before any generation: refusing late would waste the model's time
     start = time.monotonic()
     pending: list[tuple[Problem, float, list[tuple[str, int, str, Future]]]] = []
     with ThreadPoolExecutor(max_workers=worker_count(config.workers)) as pool:
@@ -136,20 +141,24 @@ def run_eval(problems: list[Problem], generate: Generate, config: EvalConfig | N
             return [(kind, i, text, pool.submit(_check_one, problem, kind, i, text, config, on_sample))
                     for i, text in enumerate(texts)]
 
-        for problem in problems:
-            prompt = completion_prompt(problem) if config.mode == "base" else chat_messages(problem)
-            gen_seconds, jobs = 0.0, []
-            if config.greedy:
-                t = time.monotonic()
-                texts = _generate(generate, prompt, 1, 0.0, config)
-                gen_seconds += time.monotonic() - t
-                jobs += submit(problem, "greedy", texts)
-            if config.n_samples:
-                t = time.monotonic()
-                texts = _generate(generate, prompt, config.n_samples, config.temperature, config)
-                gen_seconds += time.monotonic() - t
-                jobs += submit(problem, "sample", texts)
-            pending.append((problem, gen_seconds, jobs))
+        try:
+            for problem in problems:
+                prompt = completion_prompt(problem) if config.mode == "base" else chat_messages(problem)
+                gen_seconds, jobs = 0.0, []
+                if config.greedy:
+                    t = time.monotonic()
+                    texts = _generate(generate, prompt, 1, 0.0, config)
+                    gen_seconds += time.monotonic() - t
+                    jobs += submit(problem, "greedy", texts)
+                if config.n_samples:
+                    t = time.monotonic()
+                    texts = _generate(generate, prompt, config.n_samples, config.temperature, config)
+                    gen_seconds += time.monotonic() - t
+                    jobs += submit(problem, "sample", texts)
+                pending.append((problem, gen_seconds, jobs))
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)  # a failed or cancelled run checks nothing more
+            raise
 
         results = []
         for problem, gen_seconds, jobs in pending:

@@ -178,6 +178,8 @@ def sandbox_available() -> tuple[bool, str]:
         r = _execute(list(_bwrap_argv()), "import os; print(os.getuid())", 20.0, 256, drop=True)
     except SandboxUnavailable as e:
         return False, str(e)
+    except OSError as e:
+        return False, f"bubblewrap could not be started ({e}); {INSTALL_HINT}"
     if r.status == "ok" and r.stdout.strip() == str(SANDBOX_UID):
         return True, "bubblewrap sandbox works"
     detail = (r.stderr.strip() or r.stdout.strip() or f"exit code {r.exit_code}")[-500:]
@@ -201,14 +203,24 @@ def run_python(code: str, timeout_s: float = 10.0, memory_mb: int = 512) -> Resu
         raise ValueError(f"timeout_s must be in (0, {MAX_TIMEOUT_S}]")
     if not 64 <= memory_mb <= 65536:
         raise ValueError("memory_mb must be in [64, 65536]")
-    if os.environ.get(UNSAFE_ENV) == "1":
-        _warn_unsafe()
+    if not require_sandbox():
         with tempfile.TemporaryDirectory(prefix="laneplay-unsafe-") as cwd:
             return _execute([_interpreter()[0]], code, timeout_s, memory_mb, drop=False, cwd=cwd)
+    return _execute(list(_bwrap_argv()), code, timeout_s, memory_mb, drop=True)
+
+
+def require_sandbox() -> bool:
+    """True if code will run sandboxed, False under the explicit unsafe opt-out; else SandboxUnavailable.
+
+    Callers about to do expensive work (generating samples) call this first to fail early.
+    """
+    if os.environ.get(UNSAFE_ENV) == "1":
+        _warn_unsafe()
+        return False
     ok, reason = sandbox_available()
     if not ok:
         raise SandboxUnavailable(f"refusing to run generated code: {reason}")
-    return _execute(list(_bwrap_argv()), code, timeout_s, memory_mb, drop=True)
+    return True
 
 
 class _Capped:
@@ -283,9 +295,12 @@ def _execute(prefix_argv: list[str], code: str, timeout_s: float, memory_mb: int
     sig = -rc if rc < 0 else (rc - 128 if drop and 128 < rc < 128 + 65 else 0)
     stderr = err.text()
     last = stderr.strip().splitlines()[-1] if stderr.strip() else ""
+    out_of_memory = last.startswith("MemoryError") or (
+        sig in (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS)
+        and any(s in stderr for s in ("MemoryError", "Cannot allocate memory", "out of memory")))
     if timed_out or sig == signal.SIGXCPU:
         status = "timeout"
-    elif last.startswith("MemoryError"):
+    elif out_of_memory:
         status = "memory"
     elif sig:
         status = "killed"

@@ -34,6 +34,9 @@ def test_edges_and_large_n():
     assert pass_at_k(16, 1, 16) == 1.0  # n - c < k
     assert pass_at_k(16, 4, 1) == pytest.approx(0.25)
     assert 0.0 < pass_at_k(10_000, 3, 100) < 1.0  # no overflow where C(n, k) would be huge
+    import numpy as np
+
+    assert pass_at_k(np.int64(4), np.int64(2), 1) == 0.5  # counts computed with numpy are fine
 
 
 @pytest.mark.parametrize("n,c,k,exc", [(0, 0, 1, ValueError), (4, 5, 1, ValueError), (4, -1, 1, ValueError),

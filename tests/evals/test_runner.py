@@ -90,3 +90,15 @@ def test_greedy_only_and_validation(sandboxed):
 def test_workers_never_exceed_cores():
     cores = os.cpu_count() or 1
     assert worker_count(None) == cores and worker_count(10_000) == cores and worker_count(1) == 1
+
+
+def test_refuses_before_generating_without_a_sandbox(monkeypatch):
+    from evals import sandbox
+
+    monkeypatch.delenv(sandbox.UNSAFE_ENV, raising=False)
+    monkeypatch.setattr(sandbox, "sandbox_available", lambda: (False, "no bwrap; install bubblewrap"))
+    problems = select("humaneval:0")
+    model = FakeModel(problems)
+    with pytest.raises(sandbox.SandboxUnavailable, match="install bubblewrap"):
+        run_eval(problems, model, EvalConfig(n_samples=2))
+    assert model.calls == []

@@ -168,9 +168,33 @@ def test_wall_clock_deadline(sandboxed):
     assert 1.9 <= r.seconds <= 3.5, r.seconds
 
 
-def test_sleeping_program_is_killed_at_the_deadline(sandboxed):
-    r = run("import time\ntime.sleep(60)\n", timeout_s=1)
+def test_everything_is_killed_at_the_deadline(sandboxed):
+    marker = f"laneplay-sleeper-{uuid.uuid4().hex}"
+    r = run("import os, sys, time\n"
+            "for _ in range(3):\n"
+            "    if os.fork() == 0:\n"
+            f"        os.execv(sys.executable, [sys.executable, '-S', '-c', 'import time; time.sleep(60)', {marker!r}])\n"
+            "time.sleep(60)\n", timeout_s=1)
     assert r.status == "timeout" and r.seconds < 2.5
+    deadline = time.monotonic() + 2
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _processes_with(marker) == []
+
+
+def test_filling_tmp_is_bounded(sandboxed):
+    r = run("import os\n"
+            "written = 0\n"
+            "try:\n"
+            "    for i in range(64):\n"
+            "        with open(f'f{i}', 'wb') as f:\n"
+            "            for _ in range(8):\n"
+            "                f.write(b'x' * (1 << 20)); f.flush(); written += 1 << 20\n"
+            "except OSError as e:\n"
+            "    print('stopped', e.errno)\n"
+            "print(written >> 20)\n", timeout_s=20, memory_mb=256)
+    assert r.status == "ok", r.stderr
+    assert r.stdout.startswith("stopped") and int(r.stdout.split()[-1]) <= 64  # MiB: the tmpfs size cap
 
 
 def test_huge_output_is_truncated_quickly(sandboxed):
