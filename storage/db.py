@@ -12,10 +12,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import StaticPool
@@ -64,59 +60,61 @@ def make_engine(url: str | None = None) -> Engine:
     return engine
 
 
-def alembic_config() -> Config:
+# Alembic is imported where it is used: processes that only read and write skip its import time.
+def alembic_config():
+    from alembic.config import Config
+
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
     return cfg
 
 
 def head() -> str:
+    from alembic.script import ScriptDirectory
+
     return ScriptDirectory.from_config(alembic_config()).get_current_head()
 
 
+def _migrate(engine: Engine, action: str, revision: str) -> str | None:
+    """One write transaction: concurrent starts of the app take turns, and a failed migration leaves
+    the previous schema in place (SQLite has transactional DDL)."""
+    from alembic import command
+    from alembic.runtime.migration import MigrationContext
+
+    cfg = alembic_config()
+    with engine.execution_options(**WRITE).begin() as conn:
+        cfg.attributes["connection"] = conn
+        getattr(command, action)(cfg, revision)
+        return MigrationContext.configure(conn).get_current_revision()
+
+
 def upgrade_engine(engine: Engine, revision: str = "head") -> str | None:
-    """Migrates in one write transaction: concurrent starts of the app take turns, and a failed
-    migration leaves the previous schema in place (SQLite has transactional DDL)."""
-    cfg = alembic_config()
-    with engine.execution_options(**WRITE).begin() as conn:
-        cfg.attributes["connection"] = conn
-        command.upgrade(cfg, revision)
-        return MigrationContext.configure(conn).get_current_revision()
-
-
-def downgrade_engine(engine: Engine, revision: str) -> str | None:
-    cfg = alembic_config()
-    with engine.execution_options(**WRITE).begin() as conn:
-        cfg.attributes["connection"] = conn
-        command.downgrade(cfg, revision)
-        return MigrationContext.configure(conn).get_current_revision()
+    return _migrate(engine, "upgrade", revision)
 
 
 def current_revision(engine: Engine) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
     with engine.connect() as conn:
         return MigrationContext.configure(conn).get_current_revision()
 
 
-def upgrade(url: str | None = None, revision: str = "head") -> str | None:
-    """Brings the database at `url` (default: see database_url) to `revision`; returns the revision."""
+def _on(url: str | None, fn, *args):
     engine = make_engine(url)
     try:
-        return upgrade_engine(engine, revision)
+        return fn(engine, *args)
     finally:
         engine.dispose()
+
+
+def upgrade(url: str | None = None, revision: str = "head") -> str | None:
+    """Brings the database at `url` (default: see database_url) to `revision`; returns the revision."""
+    return _on(url, _migrate, "upgrade", revision)
 
 
 def downgrade(url: str | None, revision: str) -> str | None:
-    engine = make_engine(url)
-    try:
-        return downgrade_engine(engine, revision)
-    finally:
-        engine.dispose()
+    return _on(url, _migrate, "downgrade", revision)
 
 
 def current(url: str | None = None) -> str | None:
-    engine = make_engine(url)
-    try:
-        return current_revision(engine)
-    finally:
-        engine.dispose()
+    return _on(url, current_revision)
