@@ -4,6 +4,8 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from evals.execution import check
 from evals.problems import humaneval
 from evals.runner import worker_count
@@ -17,6 +19,7 @@ def check_all(problems, completions, timeout_s=10.0):
                              zip(problems, completions)))
 
 
+@pytest.mark.slow  # 164 sandbox runs: ~3-10 s on 2 cores
 def test_all_canonical_solutions_pass(sandboxed):
     problems = humaneval()
     assert len(problems) == 164
