@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
-from storage import share
+from storage import limits, share
 from storage import validate as v
 from storage.db import WRITE, database_url, make_engine, upgrade_engine
 from storage.models import (STATUSES, Comparison, Generation, PassK, PlaySession, SampleResult, ShareLink,
@@ -22,7 +22,6 @@ from storage.models import (STATUSES, Comparison, Generation, PassK, PlaySession
 from storage.validate import NotFound, ValidationError
 
 SESSION_FIELDS = ("title", "model", "device", "world_size", "columns", "code", "instruction", "params")
-RESULT_FIELDS = SampleResult.FIELDS
 
 
 def _session_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
@@ -46,7 +45,7 @@ def _generation(i: int, rec: Any) -> dict[str, Any]:
     f = v.record(f"records[{i}]", rec, Generation.FIELDS)
     p = f"records[{i}]"
     return {
-        "sample_index": v.integer(f"{p}.sample_index", f["sample_index"], 0, v.limits.MAX_SAMPLES - 1),
+        "sample_index": v.integer(f"{p}.sample_index", f["sample_index"], 0, limits.MAX_SAMPLES - 1),
         "seed": v.integer(f"{p}.seed", f["seed"], 0, "MAX_SEED", optional=True),
         "temperature": v.number(f"{p}.temperature", f["temperature"], 0.0, "MAX_TEMPERATURE", optional=True),
         "text": v.text(f"{p}.text", f["text"], "MAX_OUTPUT_CHARS"),
@@ -86,7 +85,7 @@ def _comparison_fields(problem_set: Any, problem_ids: Any, n: Any, temperature: 
 
 
 def _result(c: Comparison, problems: set[str], i: int, rec: Any) -> dict[str, Any]:
-    f = v.record(f"results[{i}]", rec, RESULT_FIELDS)
+    f = v.record(f"results[{i}]", rec, SampleResult.FIELDS)
     p = f"results[{i}]"
     greedy = v.boolean(f"{p}.greedy", False if f["greedy"] is None else f["greedy"])
     if greedy and not c.greedy:
@@ -95,8 +94,8 @@ def _result(c: Comparison, problems: set[str], i: int, rec: Any) -> dict[str, An
     if problem_id not in problems:
         raise ValidationError(f"{p}.problem_id: {problem_id!r} is not one of the comparison's problem_ids")
     error = v.text(f"{p}.error", f["error"], "MAX_OUTPUT_CHARS", optional=True)
-    if error is not None and len(error) > v.limits.MAX_ERROR_CHARS:
-        error = "…" + error[-(v.limits.MAX_ERROR_CHARS - 1):]  # an excerpt: the end holds the exception
+    if error is not None and len(error) > limits.MAX_ERROR_CHARS:
+        error = "…" + error[-(limits.MAX_ERROR_CHARS - 1):]  # an excerpt: the end holds the exception
     return {
         "problem_id": problem_id, "greedy": greedy,
         "sample_index": v.integer(f"{p}.sample_index", f["sample_index"], 0, 0 if greedy else c.n - 1),
@@ -232,9 +231,9 @@ class Store:
                             batch: int | None = None) -> int:
         count, last = s.execute(select(func.count(), func.max(Generation.batch))
                                 .where(Generation.session_id == session.id)).one()
-        if count + len(rows) > v.limits.MAX_GENERATIONS_PER_SESSION:
+        if count + len(rows) > limits.MAX_GENERATIONS_PER_SESSION:
             raise ValidationError(f"records: the session would hold {count + len(rows)} generations, over the "
-                                  f"limit of {v.limits.MAX_GENERATIONS_PER_SESSION} (MAX_GENERATIONS_PER_SESSION)")
+                                  f"limit of {limits.MAX_GENERATIONS_PER_SESSION} (MAX_GENERATIONS_PER_SESSION)")
         batch = batch if batch is not None else (last or 0) + 1
         now = utcnow()
         s.add_all(Generation(session_id=session.id, batch=batch, created_at=now, **r) for r in rows)
@@ -256,9 +255,9 @@ class Store:
         if session_id is not None:
             session = self._session(s, session_id)
             count = s.scalar(select(func.count()).where(Comparison.session_id == session.id))
-            if count >= v.limits.MAX_COMPARISONS_PER_SESSION:
+            if count >= limits.MAX_COMPARISONS_PER_SESSION:
                 raise ValidationError(f"session_id: the session already holds {count} comparisons, the limit of "
-                                      f"{v.limits.MAX_COMPARISONS_PER_SESSION} (MAX_COMPARISONS_PER_SESSION)")
+                                      f"{limits.MAX_COMPARISONS_PER_SESSION} (MAX_COMPARISONS_PER_SESSION)")
             session.updated_at = utcnow()
         row = Comparison(id=new_id(), session_id=session_id, created_at=utcnow(), **fields)
         s.add(row)
@@ -300,12 +299,11 @@ class Store:
             self._finish(s, c, passk, extra)
 
     @staticmethod
-    def _finish(s: Session, c: Comparison, passk: dict[int, float], extra: dict[str, Any],
-                finished_at: Any = None) -> None:
+    def _finish(s: Session, c: Comparison, passk: dict[int, float], extra: dict[str, Any]) -> None:
         c.passk = [PassK(k=k, value=x) for k, x in sorted(passk.items())]
         for k, x in extra.items():
             setattr(c, k, x)
-        c.finished_at = finished_at or utcnow()
+        c.finished_at = utcnow()
 
     def get_comparison(self, comparison_id: str) -> dict[str, Any] | None:
         if not is_id(comparison_id):
@@ -333,9 +331,9 @@ class Store:
         with self._write() as s:
             row = self._session(s, session_id)
             count = s.scalar(select(func.count()).where(ShareLink.session_id == row.id))
-            if count >= v.limits.MAX_SHARES_PER_SESSION:
+            if count >= limits.MAX_SHARES_PER_SESSION:
                 raise ValidationError(f"session_id: the session already has {count} share links, the limit of "
-                                      f"{v.limits.MAX_SHARES_PER_SESSION} (MAX_SHARES_PER_SESSION)")
+                                      f"{limits.MAX_SHARES_PER_SESSION} (MAX_SHARES_PER_SESSION)")
             snapshot = share.snapshot(row.to_dict())
             s.add(ShareLink(token_hash=share.digest(token), owner_hash=share.digest(owner_secret),
                             session_id=row.id, created_at=utcnow(), snapshot=snapshot))
@@ -356,8 +354,7 @@ class Store:
         found = share.is_token(token)
         with self._write() as s:
             row = s.scalar(select(ShareLink).where(ShareLink.token_hash == share.digest(token))) if found else None
-            ok = share.owner_matches(owner_secret, row.owner_hash if row is not None else None)
-            if ok and row is not None:
+            if share.owner_matches(owner_secret, row.owner_hash if row is not None else None):
                 s.delete(row)
                 return True
         return False

@@ -72,7 +72,7 @@ def boolean(field: str, value: Any) -> bool:
 
 def one_of(field: str, value: Any, choices: Sequence[str]) -> str:
     if value not in choices:
-        raise ValidationError(f"{field}: {value!r} is not one of {', '.join(choices)}")
+        raise ValidationError(f"{field}: {repr(value)[:40]} is not one of {', '.join(choices)}")
     return value
 
 
