@@ -30,6 +30,8 @@ default, any SQLAlchemy URL works). Independent of the engine; `app` and `evals`
 
     storage.upgrade(url=None, revision="head") -> str   # also `laneplay db upgrade [--url URL]`
     storage.current(url=None) -> str | None             # also `laneplay db current`
+    storage.downgrade(url, revision) -> str | None
+    storage.limits                                      # every size/range limit, one module
 
 Session and comparison ids are 128-bit random strings: they are their owner's keys (keep them out of
 share URLs; snapshots carry no ids). Every write is one transaction; bad input raises ValidationError
