@@ -1,0 +1,485 @@
+"""The engine HTTP server: OpenAI-compatible completions and chat completions, models, health, metrics.
+
+`create_app(engine)` builds the FastAPI app around an already loaded engine (`laneplay engine` serves
+it with uvicorn; tests pass their own engine). A request is validated completely -- field types,
+sampling ranges, and its length in real tokens against the context -- before it is queued, so a
+queued request can only fail inside the engine. Generation runs in the scheduler's worker thread
+(engine/scheduler.py); this file turns its events into OpenAI-shaped JSON and SSE chunks.
+
+Every response also carries a top-level "laneplay" object with the server-side timing (standard
+clients ignore unknown fields): ttft_ms, decode_tokens_per_second, ms_per_token, total_ms, device,
+world_size, queue_ms, request_seq (arrival order), start_seq (order the engine started requests),
+per_choice. When streaming, the chunk that finishes a choice carries that choice's timing, and the
+last chunk before [DONE] (the usage chunk when stream_options.include_usage is set) carries it all.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+import secrets
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.sampling import SamplingParams
+from engine.scheduler import Job, QueueFull, Scheduler
+
+DEFAULT_MAX_TOKENS = 256  # when the request names none (capped by what the context has left)
+MAX_BODY_BYTES = 4 << 20
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+class APIError(Exception):
+    """An error answered in the OpenAI format: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+# ---- request parsing ------------------------------------------------------------------------------
+# JSON type checks (bool is not accepted where a number is meant, although Python says it is an int).
+_INT, _NUM, _BOOL, _OBJ = ((int,), "an integer"), ((int, float), "a number"), ((bool,), "a boolean"), ((dict,), "an object")
+_JSON_TYPES = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "an array",
+               dict: "an object"}
+_SAMPLING_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "stop")
+
+
+def _field(body: dict, name: str, kind, default=None, param: str | None = None):
+    value = body.get(name)
+    if value is None:
+        return default
+    types, what = kind
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        raise APIError(400, f"'{param or name}' must be {what}, got {_JSON_TYPES.get(type(value), 'something else')}.",
+                       param or name, "invalid_type")
+    return value
+
+
+@dataclass
+class ParsedRequest:
+    prompt: object  # str | list[int] (completions) or list of {"role", "content"} (chat)
+    params: SamplingParams
+    max_tokens_given: bool
+    stream: bool
+    include_usage: bool
+
+
+def parse_request(body, chat: bool) -> ParsedRequest:
+    """Types and shapes of an OpenAI request; ranges are checked by engine.prepare. Unknown fields are ignored."""
+    if not isinstance(body, dict):
+        raise APIError(400, "The request body must be a JSON object.")
+    for name in ("logprobs", "top_logprobs", "echo", "suffix"):  # they would change the response's shape
+        if body.get(name):
+            raise APIError(400, f"'{name}' is not supported by this server.", name, "unsupported_parameter")
+    max_tokens = _field(body, "max_completion_tokens", _INT) if chat else None
+    if max_tokens is None:
+        max_tokens = _field(body, "max_tokens", _INT)
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, (str, list)):
+        raise APIError(400, "'stop' must be a string or an array of strings.", "stop", "invalid_type")
+    params = SamplingParams(
+        max_tokens=1 if max_tokens is None else max_tokens,
+        temperature=_field(body, "temperature", _NUM, 1.0),  # OpenAI's defaults: temperature 1, top_p 1
+        top_p=_field(body, "top_p", _NUM, 1.0),
+        top_k=_field(body, "top_k", _INT, 0),
+        min_p=_field(body, "min_p", _NUM, 0.0),
+        seed=_field(body, "seed", _INT),
+        stop=[stop] if isinstance(stop, str) else list(stop or []),
+        n=_field(body, "n", _INT, 1),
+        ignore_eos=_field(body, "ignore_eos", _BOOL, False),
+    )
+    options = _field(body, "stream_options", _OBJ, {})
+    return ParsedRequest(
+        prompt=_messages(body) if chat else _prompt(body),
+        params=params,
+        max_tokens_given=max_tokens is not None,
+        stream=_field(body, "stream", _BOOL, False),
+        include_usage=_field(options, "include_usage", _BOOL, False, param="stream_options.include_usage"),
+    )
+
+
+def _prompt(body: dict):
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return prompt
+    raise APIError(400, "'prompt' must be a string or an array of token ids (one prompt per request).", "prompt")
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "'messages' must be a non-empty array of {role, content} objects.", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise APIError(400, f"messages[{i}] must be an object with 'role' and 'content'.", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text, joined
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                raise APIError(400, f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
+                                    "are supported.", "messages")
+            content = "\n".join(p["text"] for p in content)
+        role = "system" if m.get("role") == "developer" else m.get("role")
+        out.append({"role": role, "content": content})  # roles and content types: checked by the chat template
+    return out
+
+
+def _param_of(message: str, chat: bool) -> str:
+    """Which request field an engine validation message is about (they start with the field's name)."""
+    head = message.split(" ", 1)[0]
+    if head in _SAMPLING_PARAMS:
+        return head
+    return "stop" if "stop string" in message else ("messages" if chat else "prompt")
+
+
+# ---- responses -----------------------------------------------------------------------------------
+def _api_reason(reason: str | None) -> str | None:
+    # "cancelled" reaches a client only when the server stopped the request (time limit, shutdown).
+    return "length" if reason == "cancelled" else reason
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
+
+
+def choice_timing(index: int, m) -> dict:
+    return {"index": index, "ttft_ms": _ms(m.ttft_ms), "decode_tokens_per_second": _ms(m.decode_tokens_per_second),
+            "ms_per_token": _ms(m.ms_per_token), "total_ms": _ms(m.total_ms), "completion_tokens": m.completion_tokens,
+            "finish_reason": _api_reason(m.finish_reason), "seed": m.seed}
+
+
+def request_timing(job: Job, engine) -> dict:
+    """Timing of the whole request. For n samples decoding as one batch: ttft of the first token,
+    tokens/s over all samples, and ms_per_token = time per decode step (one token for every sample)."""
+    finals = [m for _, m in sorted(job.finals.items())]
+    timed = [m for m in finals if m.ttft_ms is not None]
+    ttft = tps = step_ms = total = None
+    if timed:
+        ttft, total = min(m.ttft_ms for m in timed), max(m.total_ms for m in timed)
+        steps = max(m.completion_tokens for m in timed) - 1
+        if total > ttft and steps > 0:
+            tps = sum(m.completion_tokens - 1 for m in timed) / ((total - ttft) / 1000)
+            step_ms = (total - ttft) / steps
+    return {"ttft_ms": _ms(ttft), "decode_tokens_per_second": _ms(tps), "ms_per_token": _ms(step_ms),
+            "total_ms": _ms(total), "device": str(engine.device), "world_size": getattr(engine, "world_size", 1),
+            "queue_ms": _ms(job.queue_ms), "request_seq": job.seq, "start_seq": job.start_seq,
+            "per_choice": [choice_timing(i, m) for i, m in sorted(job.finals.items())]}
+
+
+class Reply:
+    """The OpenAI-shaped pieces of one response: completion or chat, whole or streamed."""
+
+    def __init__(self, chat: bool, model: str, job: Job, engine):
+        self.chat, self.model, self.job, self.engine = chat, model, job, engine
+        self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        self.created = int(time.time())
+        self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
+
+    def _envelope(self, obj: str, choices: list) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def usage(self) -> dict:
+        prompt = len(self.job.ids)
+        completion = sum(m.completion_tokens for m in self.job.finals.values())
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def timing(self) -> dict:
+        return request_timing(self.job, self.engine)
+
+    def chunk(self, index: int, text: str, reason: str | None, first: bool) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        else:
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+        return self._envelope(self.chunk_object, [choice])
+
+    def whole(self, texts: list[str], reasons: list[str | None]) -> dict:
+        if self.chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": r}
+                       for i, (t, r) in enumerate(zip(texts, reasons))]
+        else:
+            choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
+                       for i, (t, r) in enumerate(zip(texts, reasons))]
+        out = self._envelope("chat.completion" if self.chat else "text_completion", choices)
+        out["usage"] = self.usage()
+        out["laneplay"] = self.timing()
+        return out
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def stream_reply(reply: Reply, n: int, include_usage: bool):
+    started, finished = set(), 0
+    try:
+        async for ev in reply.job.stream():
+            reason = _api_reason(ev.finish_reason)
+            chunk = reply.chunk(ev.sample_index, ev.text, reason, first=ev.sample_index not in started)
+            started.add(ev.sample_index)
+            if include_usage:
+                chunk["usage"] = None
+            if reason:
+                finished += 1
+                last = finished == n and not include_usage
+                chunk["laneplay"] = reply.timing() if last else {"per_choice": [choice_timing(ev.sample_index, ev.metrics)]}
+            yield _sse(chunk)
+        if reply.job.outcome == "dropped":
+            raise RuntimeError("the server is shutting down")
+    except Exception as e:  # the engine failed mid-stream: the client gets an error event, never a hang
+        yield _sse(APIError(500, f"Generation failed: {e}", type="server_error").body())
+        yield "data: [DONE]\n\n"
+        return
+    if include_usage:
+        final = reply._envelope(reply.chunk_object, [])
+        final["usage"] = reply.usage()
+        final["laneplay"] = reply.timing()
+        yield _sse(final)
+    yield "data: [DONE]\n\n"
+
+
+class JobStream(StreamingResponse):
+    """An SSE response that cancels its job however the response ends (done, client gone, error)."""
+
+    def __init__(self, content, scheduler: Scheduler, job: Job):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.scheduler, self.job = scheduler, job
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.scheduler.cancel(self.job)  # no-op when the job has finished
+
+
+async def collect_reply(reply: Reply, n: int, request: Request, scheduler: Scheduler) -> dict:
+    """A whole (non-streamed) response; a client that disconnects while waiting cancels its job."""
+    async def watch_disconnect():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        scheduler.cancel(reply.job)
+
+    watcher = asyncio.create_task(watch_disconnect())
+    texts, reasons = [[] for _ in range(n)], [None] * n
+    try:
+        async for ev in reply.job.stream():
+            texts[ev.sample_index].append(ev.text)
+            reasons[ev.sample_index] = _api_reason(ev.finish_reason)
+    except Exception as e:
+        raise APIError(500, f"Generation failed: {e}", type="server_error") from e
+    finally:
+        watcher.cancel()
+        scheduler.cancel(reply.job)
+    if reply.job.outcome == "dropped":
+        raise APIError(503, "The server is shutting down.", type="server_error")
+    return reply.whole(["".join(t) for t in texts], reasons)
+
+
+# ---- metrics -------------------------------------------------------------------------------------
+class ServerMetrics:
+    """Prometheus metrics in a registry of this app's own (several apps can live in one process)."""
+
+    def __init__(self, scheduler: Scheduler):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("laneplay_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.outcomes = Counter("laneplay_generations", "Generation requests by outcome "
+                                "(completed, cancelled, timeout, dropped, error)", ["outcome"], registry=r)
+        self.prompt_tokens = Counter("laneplay_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.tokens = Counter("laneplay_generated_tokens", "Completion tokens generated (all samples)", registry=r)
+        self.ttft = Histogram("laneplay_time_to_first_token_seconds", "Engine start to first token", registry=r,
+                              buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
+        self.tpot = Histogram("laneplay_time_per_output_token_seconds", "Time per decode step", registry=r,
+                              buckets=(.001, .0025, .005, .01, .02, .04, .08, .16, .32, .64, 1.28))
+        self.queue_wait = Histogram("laneplay_queue_wait_seconds", "Arrival to engine start", registry=r,
+                                    buckets=(.001, .01, .1, .5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+        Gauge("laneplay_queue_depth", "Requests waiting for the engine", registry=r).set_function(lambda: scheduler.depth)
+        Gauge("laneplay_busy", "1 while a request is generating", registry=r).set_function(lambda: int(scheduler.busy))
+
+    def observe(self, job: Job) -> None:
+        """Called once per job (from the worker thread, or the event loop for dropped jobs)."""
+        self.outcomes.labels(job.outcome).inc()
+        if job.t_start is None:
+            return
+        self.queue_wait.observe(job.queue_ms / 1000)
+        self.prompt_tokens.inc(len(job.ids))
+        self.tokens.inc(sum(m.completion_tokens for m in job.finals.values()))
+        timed = [m for m in job.finals.values() if m.ttft_ms is not None]
+        if timed:
+            self.ttft.observe(min(m.ttft_ms for m in timed) / 1000)
+            steps = [m.ms_per_token for m in timed if m.ms_per_token]
+            if steps:
+                self.tpot.observe(max(steps) / 1000)
+
+
+class AccessLayer:
+    """ASGI middleware: the API key check (every route but /health) and request counting."""
+
+    def __init__(self, app, api_key: str | None, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        endpoint = path if path in ENDPOINTS else "/v1/models/{model}" if path.startswith("/v1/models/") else "other"
+        status = None
+
+        async def counted_send(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                self.metrics.requests.labels(endpoint, str(status)).inc()
+            await send(message)
+
+        if self.expected is not None and path != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError(401, "Missing or incorrect API key; send 'Authorization: Bearer <key>'.",
+                                 code="invalid_api_key")
+                return await error.response()(scope, receive, counted_send)
+        try:
+            await self.app(scope, receive, counted_send)
+        except Exception:
+            if status is None:
+                self.metrics.requests.labels(endpoint, "500").inc()
+            raise
+
+
+# ---- the app -------------------------------------------------------------------------------------
+async def _read_json(request: Request):
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise APIError(413, f"The request body is larger than {MAX_BODY_BYTES >> 20} MiB.")
+    try:
+        return json.loads(body)
+    except ValueError as e:  # includes UnicodeDecodeError
+        raise APIError(400, f"The request body is not valid JSON ({e}).", code="invalid_json") from None
+
+
+def create_app(engine, *, api_key: str | None = None, max_queue: int = 32, request_timeout_s: float = 600.0,
+               model_name: str | None = None) -> FastAPI:
+    """The HTTP app around a loaded engine. The caller owns the engine (the app never closes it)."""
+    served = model_name or engine.model_name
+    names = {served, engine.model_name}  # the request's "model" may be either, or omitted
+    context = engine.cfg.max_position_embeddings
+    scheduler = Scheduler(engine, max_queue=max_queue, request_timeout_s=request_timeout_s)
+    metrics = ServerMetrics(scheduler)
+    scheduler.on_finish = metrics.observe
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app):
+        scheduler.start()
+        yield
+        scheduler.close()
+
+    app = FastAPI(title="Laneplay engine", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.scheduler, app.state.metrics = scheduler, metrics
+    app.add_middleware(AccessLayer, api_key=api_key, metrics=metrics)
+
+    @app.exception_handler(APIError)
+    async def api_error(request, e: APIError):
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request, e: RequestValidationError):
+        err = e.errors()[0] if e.errors() else {}
+        param = ".".join(str(p) for p in err.get("loc", ())[1:]) or None
+        return APIError(422, f"{param or 'request'}: {err.get('msg', 'invalid value')}.", param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, e: StarletteHTTPException):
+        code = "not_found" if e.status_code == 404 else None
+        return APIError(e.status_code, str(e.detail), code=code).response()
+
+    @app.exception_handler(Exception)
+    async def server_error(request, e: Exception):
+        return APIError(500, f"Internal server error: {type(e).__name__}.", type="server_error").response()
+
+    def check_model(name) -> None:
+        if name is not None and name not in names:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves '{served}'.", "model",
+                           "model_not_found")
+
+    def model_card() -> dict:
+        return {"id": served, "object": "model", "created": started, "owned_by": "laneplay", "max_model_len": context}
+
+    async def generate(request: Request, chat: bool):
+        body = await _read_json(request)
+        if isinstance(body, dict):
+            check_model(_field(body, "model", ((str,), "a string")))
+        req = parse_request(body, chat)
+        try:  # tokenizing a long prompt takes a moment: off the event loop
+            ids, params = await run_in_threadpool(engine.prepare, req.prompt, req.params, chat)
+        except ValueError as e:
+            code = "context_length_exceeded" if "context" in str(e) else "invalid_value"
+            raise APIError(400, str(e), _param_of(str(e), chat), code) from None
+        if not req.max_tokens_given:
+            params.max_tokens = min(DEFAULT_MAX_TOKENS, context - len(ids))
+        try:
+            job = scheduler.submit(ids, params)
+        except QueueFull as e:
+            retry = str(max(1, math.ceil(scheduler.mean_job_s)))
+            raise APIError(429, str(e), code="queue_full", type="rate_limit_error",
+                           headers={"Retry-After": retry}) from None
+        reply = Reply(chat, served, job, engine)
+        if req.stream:
+            return JobStream(stream_reply(reply, params.n, req.include_usage), scheduler, job)
+        return JSONResponse(await collect_reply(reply, params.n, request, scheduler))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def get_model(name: str):
+        check_model(name)
+        return model_card()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": served, "queue_depth": scheduler.depth, "busy": scheduler.busy,
+                "max_queue": scheduler.max_queue, "device": str(engine.device),
+                "world_size": getattr(engine, "world_size", 1), "context_length": context}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

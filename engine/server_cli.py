@@ -1,0 +1,61 @@
+"""`laneplay engine`: the engine HTTP server only (OpenAI-compatible API) on 127.0.0.1:8000 by default."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from engine.checkpoint import DEFAULT_MODEL
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint dir, .gguf, Hub id in the local cache, or the embedded default")
+    p.add_argument("--served-model-name", help="the model id clients see (default: --model, or the checkpoint's name for a path)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $LANEPLAY_API_KEY)")
+    p.add_argument("--max-queue", type=int, default=32, help="requests waiting beyond this get 429")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may generate before it ends with finish_reason 'length'")
+    p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def run(args) -> int:
+    import uvicorn
+
+    from engine import SamplingParams, load_engine
+    from engine.server import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("laneplay.engine")
+    api_key = args.api_key or os.environ.get("LANEPLAY_API_KEY") or None
+    if args.max_queue < 0 or args.request_timeout <= 0:
+        print("laneplay engine: --max-queue must be >= 0 and --request-timeout > 0", file=sys.stderr)
+        return 2
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        log.warning("listening on %s without an API key: anyone who can reach it can use the engine", args.host)
+    try:
+        eng = load_engine(args.model, device=args.device, dtype=args.dtype, world_size=args.world_size,
+                          compile=False if args.no_compile else "auto")
+    except (ValueError, OSError) as e:
+        print(f"laneplay engine: {e}", file=sys.stderr)
+        return 2
+    try:
+        # One tiny request first, so the first client does not pay for lazy initialisation.
+        for _ in eng.generate("Hello", SamplingParams(max_tokens=2, temperature=0.0)):
+            pass
+        name = args.served_model_name or (None if Path(args.model).expanduser().exists() else args.model)
+        app = create_app(eng, api_key=api_key, max_queue=args.max_queue, request_timeout_s=args.request_timeout,
+                         model_name=name)
+        log.info("serving %s on http://%s:%d (%s x%d)", name or eng.model_name, args.host, args.port,
+                 args.device, args.world_size)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        return 0
+    finally:
+        eng.close()
