@@ -185,7 +185,7 @@ def _load_model(args):
     from engine import DEFAULT_MODEL, load_engine
 
     print(f"loading {args.model or DEFAULT_MODEL} on {args.device}"
-          f"{' (compiling the decode step)' if args.compile else ''} ...", file=sys.stderr, flush=True)
+          f"{' (compile on)' if args.compile else ''} ...", file=sys.stderr, flush=True)
     engine = load_engine(args.model or DEFAULT_MODEL, device=args.device, dtype=args.dtype, world_size=1,
                          compile=args.compile)
     return LocalGenerate(engine, top_p=args.top_p)
@@ -270,10 +270,10 @@ def _table(result, latency: dict, comparison_id: str, model: str | None, out: Pa
             f"at temperature {c.temperature:g} | max_tokens {c.max_tokens} | seed {c.seed}", ""]
     for k in KS:
         if k in result.pass_at:
-            rows.append(f"  pass@{k:<2}          {result.pass_at[k]:.4f}")
+            rows.append(f"  {f'pass@{k}':<18}{result.pass_at[k]:.4f}")
     if result.greedy_pass_at_1 is not None:
         passed = result.greedy_counts["pass"]
-        rows.append(f"  greedy pass@1     {result.greedy_pass_at_1:.4f}  ({passed}/{len(result.problems)})")
+        rows.append(f"  {'greedy pass@1':<18}{result.greedy_pass_at_1:.4f}  ({passed}/{len(result.problems)})")
     rows.append("")
     for name, counts in (("samples", result.counts if c.n_samples else None), ("greedy", result.greedy_counts)):
         if counts:
@@ -284,7 +284,9 @@ def _table(result, latency: dict, comparison_id: str, model: str | None, out: Pa
         if side in latency:
             s = latency[side]
             speed = s["mean_decode_tokens_per_second"]
-            rows.append(f"  {label:<18}{s['seconds_per_problem']:.2f} s/problem, {s['completion_tokens']} tokens, "
+            batch = s["batch_tokens_per_second"]
+            rows.append(f"  {label:<18}{s['seconds_per_problem']:.2f} s/problem, {s['completion_tokens']} tokens "
+                        f"({f'{batch:.1f}' if batch else 'n/a'} tokens/s), "
                         f"mean decode {f'{speed:.1f}' if speed else 'n/a'} tokens/s per sample")
     if "greedy" in latency and "sample" in latency and latency["greedy"]["seconds"]:
         ratio = latency["sample"]["seconds"] / latency["greedy"]["seconds"]

@@ -6,6 +6,7 @@ sampling N times is worth the latency, so these timings are stored next to the o
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -79,7 +80,9 @@ class RemoteGenerate:
 
         base = url.rstrip("/")
         base = base[:-3] if base.endswith("/v1") else base
-        self.client = httpx.Client(base_url=base, timeout=timeout_s)
+        key = os.environ.get("LANEPLAY_API_KEY")  # the server's --api-key, if it has one
+        self.client = httpx.Client(base_url=base, timeout=timeout_s,
+                                   headers={"Authorization": f"Bearer {key}"} if key else None)
         self.url, self.model, self.top_p = url, model, top_p
         self.device = "remote"
         self.batches: list[Batch] = []
@@ -124,7 +127,7 @@ class RemoteGenerate:
         usage_tokens = (reply.get("usage") or {}).get("completion_tokens")
         timings = []
         for i, c in enumerate(choices):
-            m = _server_metrics(reply, i)
+            m = _server_metrics(reply, c.get("index", i))
             tokens = m.get("completion_tokens", usage_tokens // n if isinstance(usage_tokens, int) else None)
             timings.append(SampleTiming(tokens, m.get("total_ms", seconds * 1000),
                                         m.get("decode_tokens_per_second"), c.get("finish_reason")))
@@ -135,12 +138,8 @@ class RemoteGenerate:
         self.client.close()
 
 
-def _server_metrics(reply: dict, i: int) -> dict:
-    """Choice i's timing from the server's extra `laneplay` field: a list with one metrics dict per
-    choice (possibly under "metrics" or "choices"), or one dict for the whole request; {} if absent."""
+def _server_metrics(reply: dict, index: int) -> dict:
+    """Choice `index`'s timing from the Laneplay server's `laneplay.per_choice` ({} from other servers)."""
     extra = reply.get("laneplay")
-    if isinstance(extra, dict) and isinstance(extra.get("metrics", extra.get("choices")), list):
-        extra = extra.get("metrics", extra.get("choices"))
-    if isinstance(extra, list):
-        extra = extra[i] if i < len(extra) else None
-    return extra if isinstance(extra, dict) else {}
+    per_choice = extra.get("per_choice") if isinstance(extra, dict) else None
+    return next((m for m in per_choice or [] if isinstance(m, dict) and m.get("index") == index), {})

@@ -188,8 +188,9 @@ def fake_server(problems, requests: list):
         return {"id": "x", "object": "chat.completion" if chat else "text_completion", "model": "fake-served",
                 "choices": choices[::-1],  # out of order on purpose: index decides
                 "usage": {"prompt_tokens": 50, "completion_tokens": 30 * body["n"]},
-                "laneplay": {"metrics": [{"completion_tokens": 30 + i, "total_ms": 40.0 * (i + 1),
-                                          "decode_tokens_per_second": 75.0} for i in range(body["n"])]}}
+                "laneplay": {"total_ms": 1.0, "per_choice": [  # the shape engine/server.py answers with
+                    {"index": i, "completion_tokens": 30 + i, "total_ms": 40.0 * (i + 1),
+                     "decode_tokens_per_second": 75.0} for i in range(body["n"])][::-1]}}
 
     @app.get("/v1/models")
     async def models():
