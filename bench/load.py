@@ -124,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = asyncio.run(run_load(args))
     except httpx.HTTPError as e:
-        print(f"bench.load: cannot reach the engine at {args.url} ({e}); start it with `laneplay engine`", file=sys.stderr)
+        print(f"bench.load: cannot reach the engine at {args.url} ({e}); start it with `laneplay engine`",
+              file=sys.stderr)
         return 2
     print_table(result)
     args.out.mkdir(parents=True, exist_ok=True)

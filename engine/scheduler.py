@@ -95,8 +95,9 @@ class Scheduler:
         self._thread = threading.Thread(target=self._work, name="laneplay-scheduler", daemon=True)
         self._thread.start()
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Drop waiting jobs, stop the running one at its next token, and wait for the worker."""
+    def close(self, timeout: float | None = 10.0) -> None:
+        """Drop waiting jobs, stop the running one at its next token, and wait for the worker (timeout 0:
+        don't wait). Safe to call more than once."""
         with self._cond:
             self._closed = True
             waiting, self._waiting = list(self._waiting), deque()
@@ -105,7 +106,7 @@ class Scheduler:
             self._cond.notify_all()
         for job in waiting:
             self._drop(job)
-        if self._thread is not None:
+        if self._thread is not None and timeout != 0:
             self._thread.join(timeout)
 
     def submit(self, ids: list[int], params: SamplingParams) -> Job:

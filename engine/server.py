@@ -23,6 +23,7 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -56,7 +57,8 @@ class APIError(Exception):
 
 # ---- request parsing ------------------------------------------------------------------------------
 # JSON type checks (bool is not accepted where a number is meant, although Python says it is an int).
-_INT, _NUM, _BOOL, _OBJ = ((int,), "an integer"), ((int, float), "a number"), ((bool,), "a boolean"), ((dict,), "an object")
+_INT, _NUM, _BOOL = ((int,), "an integer"), ((int, float), "a number"), ((bool,), "a boolean")
+_STR, _OBJ = ((str,), "a string"), ((dict,), "an object")
 _JSON_TYPES = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "an array",
                dict: "an object"}
 _SAMPLING_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "stop")
@@ -68,8 +70,8 @@ def _field(body: dict, name: str, kind, default=None, param: str | None = None):
         return default
     types, what = kind
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-        raise APIError(400, f"'{param or name}' must be {what}, got {_JSON_TYPES.get(type(value), 'something else')}.",
-                       param or name, "invalid_type")
+        got = _JSON_TYPES.get(type(value), "something else")
+        raise APIError(400, f"'{param or name}' must be {what}, got {got}.", param or name, "invalid_type")
     return value
 
 
@@ -137,7 +139,8 @@ def _messages(body: dict) -> list[dict]:
             raise APIError(400, f"messages[{i}] must be an object with 'role' and 'content'.", "messages")
         content = m.get("content")
         if isinstance(content, list):  # content parts: only text, joined
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
                 raise APIError(400, f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
                                     "are supported.", "messages")
             content = "\n".join(p["text"] for p in content)
@@ -170,11 +173,10 @@ def choice_timing(index: int, m) -> dict:
             "finish_reason": _api_reason(m.finish_reason), "seed": m.seed}
 
 
-def request_timing(job: Job, engine) -> dict:
+def request_timing(job: Job) -> dict:
     """Timing of the whole request. For n samples decoding as one batch: ttft of the first token,
     tokens/s over all samples, and ms_per_token = time per decode step (one token for every sample)."""
-    finals = [m for _, m in sorted(job.finals.items())]
-    timed = [m for m in finals if m.ttft_ms is not None]
+    timed = [m for m in job.finals.values() if m.ttft_ms is not None]
     ttft = tps = step_ms = total = None
     if timed:
         ttft, total = min(m.ttft_ms for m in timed), max(m.total_ms for m in timed)
@@ -183,9 +185,7 @@ def request_timing(job: Job, engine) -> dict:
             tps = sum(m.completion_tokens - 1 for m in timed) / ((total - ttft) / 1000)
             step_ms = (total - ttft) / steps
     return {"ttft_ms": _ms(ttft), "decode_tokens_per_second": _ms(tps), "ms_per_token": _ms(step_ms),
-            "total_ms": _ms(total), "device": str(engine.device), "world_size": getattr(engine, "world_size", 1),
-            "queue_ms": _ms(job.queue_ms), "request_seq": job.seq, "start_seq": job.start_seq,
-            "per_choice": [choice_timing(i, m) for i, m in sorted(job.finals.items())]}
+            "total_ms": _ms(total), "queue_ms": _ms(job.queue_ms), "request_seq": job.seq, "start_seq": job.start_seq}
 
 
 class Reply:
@@ -206,7 +206,9 @@ class Reply:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def timing(self) -> dict:
-        return request_timing(self.job, self.engine)
+        per_choice = [choice_timing(i, m) for i, m in sorted(self.job.finals.items())]
+        return {**request_timing(self.job), "device": str(self.engine.device),
+                "world_size": getattr(self.engine, "world_size", 1), "per_choice": per_choice}
 
     def chunk(self, index: int, text: str, reason: str | None, first: bool) -> dict:
         if self.chat:
@@ -218,8 +220,8 @@ class Reply:
 
     def whole(self, texts: list[str], reasons: list[str | None]) -> dict:
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": r}
-                       for i, (t, r) in enumerate(zip(texts, reasons))]
+            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
+                        "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
         else:
             choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
                        for i, (t, r) in enumerate(zip(texts, reasons))]
@@ -234,7 +236,7 @@ def _sse(obj) -> str:
 
 
 async def stream_reply(reply: Reply, n: int, include_usage: bool):
-    started, finished = set(), 0
+    started, finished, error = set(), 0, None
     try:
         async for ev in reply.job.stream():
             reason = _api_reason(ev.finish_reason)
@@ -244,16 +246,18 @@ async def stream_reply(reply: Reply, n: int, include_usage: bool):
                 chunk["usage"] = None
             if reason:
                 finished += 1
-                last = finished == n and not include_usage
-                chunk["laneplay"] = reply.timing() if last else {"per_choice": [choice_timing(ev.sample_index, ev.metrics)]}
+                if finished == n and not include_usage:  # the last chunk with choices: all the timing
+                    chunk["laneplay"] = reply.timing()
+                else:
+                    chunk["laneplay"] = {"per_choice": [choice_timing(ev.sample_index, ev.metrics)]}
             yield _sse(chunk)
-        if reply.job.outcome == "dropped":
-            raise RuntimeError("the server is shutting down")
     except Exception as e:  # the engine failed mid-stream: the client gets an error event, never a hang
-        yield _sse(APIError(500, f"Generation failed: {e}", type="server_error").body())
-        yield "data: [DONE]\n\n"
-        return
-    if include_usage:
+        error = APIError(500, f"Generation failed: {e}", type="server_error")
+    if reply.job.outcome == "dropped":
+        error = APIError(503, "The server is shutting down; the request did not run.", type="server_error")
+    if error is not None:
+        yield _sse(error.body())
+    elif include_usage:
         final = reply._envelope(reply.chunk_object, [])
         final["usage"] = reply.usage()
         final["laneplay"] = reply.timing()
@@ -295,7 +299,7 @@ async def collect_reply(reply: Reply, n: int, request: Request, scheduler: Sched
         watcher.cancel()
         scheduler.cancel(reply.job)
     if reply.job.outcome == "dropped":
-        raise APIError(503, "The server is shutting down.", type="server_error")
+        raise APIError(503, "The server is shutting down; the request did not run.", type="server_error")
     return reply.whole(["".join(t) for t in texts], reasons)
 
 
@@ -317,8 +321,10 @@ class ServerMetrics:
                               buckets=(.001, .0025, .005, .01, .02, .04, .08, .16, .32, .64, 1.28))
         self.queue_wait = Histogram("laneplay_queue_wait_seconds", "Arrival to engine start", registry=r,
                                     buckets=(.001, .01, .1, .5, 1, 2.5, 5, 10, 30, 60, 120, 300))
-        Gauge("laneplay_queue_depth", "Requests waiting for the engine", registry=r).set_function(lambda: scheduler.depth)
-        Gauge("laneplay_busy", "1 while a request is generating", registry=r).set_function(lambda: int(scheduler.busy))
+        depth = Gauge("laneplay_queue_depth", "Requests waiting for the engine", registry=r)
+        depth.set_function(lambda: scheduler.depth)
+        busy = Gauge("laneplay_busy", "1 while a request is generating", registry=r)
+        busy.set_function(lambda: int(scheduler.busy))
 
     def observe(self, job: Job) -> None:
         """Called once per job (from the worker thread, or the event loop for dropped jobs)."""
@@ -328,12 +334,11 @@ class ServerMetrics:
         self.queue_wait.observe(job.queue_ms / 1000)
         self.prompt_tokens.inc(len(job.ids))
         self.tokens.inc(sum(m.completion_tokens for m in job.finals.values()))
-        timed = [m for m in job.finals.values() if m.ttft_ms is not None]
-        if timed:
-            self.ttft.observe(min(m.ttft_ms for m in timed) / 1000)
-            steps = [m.ms_per_token for m in timed if m.ms_per_token]
-            if steps:
-                self.tpot.observe(max(steps) / 1000)
+        timing = request_timing(job)
+        if timing["ttft_ms"] is not None:
+            self.ttft.observe(timing["ttft_ms"] / 1000)
+        if timing["ms_per_token"] is not None:
+            self.tpot.observe(timing["ms_per_token"] / 1000)
 
 
 class AccessLayer:
@@ -435,7 +440,7 @@ def create_app(engine, *, api_key: str | None = None, max_queue: int = 32, reque
     async def generate(request: Request, chat: bool):
         body = await _read_json(request)
         if isinstance(body, dict):
-            check_model(_field(body, "model", ((str,), "a string")))
+            check_model(_field(body, "model", _STR))
         req = parse_request(body, chat)
         try:  # tokenizing a long prompt takes a moment: off the event loop
             ids, params = await run_in_threadpool(engine.prepare, req.prompt, req.params, chat)
@@ -483,3 +488,16 @@ def create_app(engine, *, api_key: str | None = None, max_queue: int = 32, reque
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+class EngineServer(uvicorn.Server):
+    """uvicorn, except that shutting down first ends the running request (finish_reason "length") and
+    drops waiting ones, so open streams end with [DONE] instead of being cut at the graceful timeout."""
+
+    async def shutdown(self, sockets=None):
+        self.config.app.state.scheduler.close(timeout=0)
+        await super().shutdown(sockets=sockets)
+
+
+def serve(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    EngineServer(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)).run()

@@ -11,8 +11,10 @@ from engine.checkpoint import DEFAULT_MODEL
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, help="checkpoint dir, .gguf, Hub id in the local cache, or the embedded default")
-    p.add_argument("--served-model-name", help="the model id clients see (default: --model, or the checkpoint's name for a path)")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help="checkpoint dir, .gguf, Hub id in the local cache, or the embedded default")
+    p.add_argument("--served-model-name",
+                   help="the model id clients see (default: --model, or the checkpoint's own name for a path)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--world-size", type=int, default=1)
@@ -27,10 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    import uvicorn
-
     from engine import SamplingParams, load_engine
-    from engine.server import create_app
+    from engine.server import create_app, serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("laneplay.engine")
@@ -46,6 +46,7 @@ def run(args) -> int:
     except (ValueError, OSError) as e:
         print(f"laneplay engine: {e}", file=sys.stderr)
         return 2
+    app = None
     try:
         # One tiny request first, so the first client does not pay for lazy initialisation.
         for _ in eng.generate("Hello", SamplingParams(max_tokens=2, temperature=0.0)):
@@ -55,7 +56,9 @@ def run(args) -> int:
                          model_name=name)
         log.info("serving %s on http://%s:%d (%s x%d)", name or eng.model_name, args.host, args.port,
                  args.device, args.world_size)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        serve(app, host=args.host, port=args.port, log_level=args.log_level)
         return 0
     finally:
+        if app is not None:
+            app.state.scheduler.close()  # the worker must be out of the engine before it closes
         eng.close()

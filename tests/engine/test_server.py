@@ -16,7 +16,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine import SamplingParams
-from engine.server import create_app
+from engine.server import EngineServer, create_app
 
 MODEL = "smollm2-135m-instruct"
 CHAT = [{"role": "system", "content": "You are a concise coding assistant."},
@@ -25,24 +25,28 @@ CHAT_FLAT = [CHAT[0], {"role": "user", "content": "Write a Python function that 
 PROMPT = "def fibonacci(n):"
 
 
-@contextmanager
-def serve(app):
-    """Run `app` with uvicorn in a background thread on a free port; yields the base URL."""
+def start_server(app):
+    """Run `app` with the engine's uvicorn server in a background thread on a free port."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = EngineServer(uvicorn.Config(app, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
         time.sleep(0.01)
+    return f"http://127.0.0.1:{sock.getsockname()[1]}", server, thread
+
+
+@contextmanager
+def serve(app):
+    url, server, thread = start_server(app)
     try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        yield url
     finally:
         server.should_exit = True
         thread.join(30)
-        sock.close()
 
 
 def reference(eng, prompt, chat=False, **params):
@@ -232,7 +236,7 @@ def test_disconnect_mid_stream_stops_generation(server):
     assert after[cancelled] - before.get(cancelled, 0) == 1
     # The cancelled request stopped within a few tokens of the disconnect, not at max_tokens.
     tokens = ("laneplay_generated_tokens_total", ())
-    assert after[tokens] - before[tokens] - nxt.json()["usage"]["completion_tokens"] < 50
+    assert after[tokens] - before[tokens] - nxt.json()["usage"]["completion_tokens"] < 20
 
 
 def test_time_limit_ends_with_length_and_partial_text(default_engine):
@@ -244,6 +248,42 @@ def test_time_limit_ends_with_length_and_partial_text(default_engine):
     assert r.status_code == 200 and choice["finish_reason"] == "length"
     assert r.json()["usage"]["completion_tokens"] == 1  # the first token, then the limit
     assert metrics[("laneplay_generations_total", (("outcome", "timeout"),))] == 1
+
+
+def test_shutdown_ends_open_streams_cleanly(default_engine):
+    url, server, thread = start_server(create_app(default_engine))
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=url, timeout=60) as http, http.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(sse_data(lines))
+            server.should_exit = True
+            rest = [line for line in lines if line]
+    finally:
+        server.should_exit = True
+        thread.join(30)
+    assert not thread.is_alive()
+    assert rest[-1] == "data: [DONE]" and json.loads(rest[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+
+class FailingEngine(GatedEngine):
+    def generate(self, *args, **kwargs):
+        def events():
+            raise RuntimeError("the device fell over")
+            yield
+        return events()
+
+
+def test_engine_failure_is_an_error_not_a_hang(default_engine):
+    with serve(create_app(FailingEngine(default_engine))) as url:
+        with httpx.Client(base_url=url, timeout=60) as http:
+            r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
+            assert r.status_code == 500 and "device fell over" in r.json()["error"]["message"]
+            with http.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "stream": True}) as s:
+                lines = [line for line in s.iter_lines() if line]
+            assert "error" in json.loads(lines[0][6:]) and lines[-1] == "data: [DONE]"
+            assert http.get("/health").json()["busy"] is False
+            assert scrape(url)[("laneplay_generations_total", (("outcome", "error"),))] == 2
 
 
 # ---- validation, errors, auth --------------------------------------------------------------------
