@@ -128,6 +128,22 @@ class Engine:
         """Token ids that end a sample: from config.json and the tokenizer's configs."""
         return set(self.cfg.eos_token_ids) | set(self.tokenizer.eos_ids)
 
+    # ---- speed path ----------------------------------------------------------------------------
+    def compile(self) -> None:
+        """Compile the decode blocks and pay the compile cost now, never inside a request."""
+        self.model.compile_blocks()
+        self.warm_up()
+
+    @torch.inference_mode()
+    def warm_up(self, batches: tuple[int, ...] = (1, 2)) -> None:
+        """Run the decode step at each batch size and at two positions (compiles both shape cases)."""
+        ids = torch.ones(1, 4, dtype=torch.long, device=self.device)
+        for n in batches:
+            self.prefill(ids, n, 8)
+            for pos in (4, 5, 6):
+                self.decode_step(torch.ones(n, 1, dtype=torch.long, device=self.device), pos)
+        self._cache = None
+
     def close(self) -> None:
         self.model = None
 
@@ -138,14 +154,24 @@ class Engine:
         self.close()
 
 
+def want_compile(compile, device: torch.device) -> bool:
+    """compile=True/False, or "auto": on for CPU (where per-op overhead dominates), LANEPLAY_COMPILE=0/1 overrides."""
+    if compile == "auto":
+        env = os.environ.get("LANEPLAY_COMPILE")
+        return env == "1" if env in ("0", "1") else device.type == "cpu"
+    return bool(compile)
+
+
 def load_engine(model: str | os.PathLike = "smollm2-135m-instruct", device: str | None = "cpu",
-                dtype="float32", world_size: int = 1, **options) -> Engine:
+                dtype="float32", world_size: int = 1, compile="auto", **options) -> Engine:
     """Load a checkpoint (HF directory, .gguf, Hub id in the local cache, or the embedded default)."""
     dev, dt = parse_device(device), parse_dtype(dtype)
     if world_size > 1:
         from engine.dtp import load_dtp_engine
 
         return load_dtp_engine(model, device=dev, dtype=dt, world_size=world_size, **options)
+    if options:
+        raise TypeError(f"unknown load_engine option(s): {', '.join(options)}")
     path = resolve_checkpoint(model)
     cfg, src = open_checkpoint(path)
     try:
@@ -153,7 +179,10 @@ def load_engine(model: str | os.PathLike = "smollm2-135m-instruct", device: str 
         weights = load_weights(cfg, src, dtype=dt, device=dev)
     finally:
         src.close()
-    return Engine(cfg, LaneModel(cfg, weights), path, dev, dt, tokenizer=tokenizer)
+    engine = Engine(cfg, LaneModel(cfg, weights), path, dev, dt, tokenizer=tokenizer)
+    if want_compile(compile, dev):
+        engine.compile()
+    return engine
 
 
 def load_checkpoint_tokenizer(path: Path, src):

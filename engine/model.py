@@ -81,6 +81,37 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return torch.matmul(probs, v).reshape(N, hq, 1, hd)
 
 
+def project_qkv(x: Tensor, wqkv: Tensor, cos: Tensor, sin: Tensor, cfg: ModelConfig):
+    """Normed x [L, B, S, D] -> q [L*B, Hq_l, S, hd], k, v [L*B, Hkv_l, S, hd]; RoPE on q and k."""
+    L, B, S, _ = x.shape
+    hq, hkv, hd = cfg.heads_per_lane, cfg.kv_heads_per_lane, cfg.head_dim
+    q, k, v = lane_linear(x, wqkv).split([hq * hd, hkv * hd, hkv * hd], dim=-1)
+    q = apply_rope(q.reshape(L * B, S, hq, hd), cos, sin).transpose(1, 2)
+    k = apply_rope(k.reshape(L * B, S, hkv, hd), cos, sin).transpose(1, 2)
+    return q, k, v.reshape(L * B, S, hkv, hd).transpose(1, 2)
+
+
+def decode_blocks(cfg: ModelConfig):
+    """The two per-layer functions of one decode step, pure in their tensor arguments."""
+    eps = cfg.norm_eps
+
+    def attention_block(h, norm_w, wqkv, wo, kc, vc, cos, sin, slot: Tensor, n: int) -> Tensor:
+        """h [L, B, 1, D] -> attention partial [L, B, 1, D]; writes this token's K/V into slot."""
+        L, B = h.shape[:2]
+        q, k, v = project_qkv(rms_norm(h, norm_w, eps), wqkv, cos, sin, cfg)
+        kc.index_copy_(2, slot, k)
+        vc.index_copy_(2, slot, v)
+        o = decode_attention(q, kc[:, :, :n], vc[:, :, :n])
+        return lane_linear(o.transpose(1, 2).reshape(L, B, 1, -1), wo)
+
+    def mlp_block(h, norm_w, w13, w2) -> Tensor:
+        """SwiGLU of the normed stream: h [L, B, S, D] -> MLP partial [L, B, S, D]."""
+        gate, up = lane_linear(rms_norm(h, norm_w, eps), w13).chunk(2, dim=-1)
+        return lane_linear(F.silu(gate) * up, w2)
+
+    return attention_block, mlp_block
+
+
 class LocalLanes:
     """Cross-lane communication when all lanes live in this process: sums are local reductions.
 
@@ -89,7 +120,7 @@ class LocalLanes:
     """
 
     def lane_sum(self, x: Tensor) -> Tensor:  # [L, ...] -> [1, ...], blocking
-        return x.sum(0, keepdim=True)
+        return x if x.shape[0] == 1 else x.sum(0, keepdim=True)
 
     def start_lane_sum(self, x: Tensor):
         return x.sum(0, keepdim=True)
@@ -184,38 +215,27 @@ class LaneModel(nn.Module):
         self.head_weight = weights["head"]  # [V, D] | [L, V, D] (lane) | [L, V/L, D] (vocab_parallel)
         self.dtype, self.device = self.embed.dtype, self.embed.device
         self.cos, self.sin = rope_tables(cfg, cfg.max_position_embeddings, self.device)
+        self.attention_block, self.mlp_block = decode_blocks(cfg)
+
+    def compile_blocks(self) -> None:
+        """Compile the two per-layer block functions (fused elementwise work, no Python per op)."""
+        self.attention_block = torch.compile(self.attention_block, dynamic=True)
+        self.mlp_block = torch.compile(self.mlp_block, dynamic=True)
 
     # -- sub-blocks (lane-local: lane l reads only its own stream and weights) ---------------------
     def attention(self, i: int, x: Tensor, pos: int, cache: KVCache | None) -> Tensor:
+        """Prefill / full-forward attention of layer i on normed x [L, B, S, D] -> partial [L, B, S, D]."""
         cfg, w = self.cfg, self.layers[i]
         L, B, S, _ = x.shape
-        hq, hkv, hd = cfg.heads_per_lane, cfg.kv_heads_per_lane, cfg.head_dim
-        q, k, v = lane_linear(x, w.wqkv).split([hq * hd, hkv * hd, hkv * hd], dim=-1)
-        cos, sin = self.cos[pos:pos + S], self.sin[pos:pos + S]
-        q = apply_rope(q.reshape(L * B, S, hq, hd), cos, sin).transpose(1, 2)  # [L*B, hq, S, hd]
-        k = apply_rope(k.reshape(L * B, S, hkv, hd), cos, sin).transpose(1, 2)  # [L*B, hkv, S, hd]
-        v = v.reshape(L * B, S, hkv, hd).transpose(1, 2)
+        q, k, v = project_qkv(x, w.wqkv, self.cos[pos:pos + S], self.sin[pos:pos + S], cfg)
         window = cfg.window(i)
-        mask = None
         if cache is None:
             positions = torch.arange(pos, pos + S, device=x.device)
             mask = _attention_mask(positions, positions, window)
-        elif S == 1:
-            # Decode: write first (the slot it overwrites is the one that just left the window),
-            # then attend over the filled slots, which are exactly the visible keys.
-            kc, vc, slots = cache.k[i], cache.v[i], cache.slots[i]
-            slot = pos % slots if window else pos
-            kc[:, :, slot] = k[:, :, 0]
-            vc[:, :, slot] = v[:, :, 0]
-            n = min(pos + 1, slots)
-            k, v = kc[:, :, :n], vc[:, :, :n]
         else:
             k, v, mask = self._prefill_cache(i, k, v, pos, cache, window)
-        if S == 1:
-            o = decode_attention(q, k, v)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hq != hkv)
-        o = o.transpose(1, 2).reshape(L, B, S, hq * hd)  # lane l gets its own heads back
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        o = o.transpose(1, 2).reshape(L, B, S, -1)  # lane l gets its own heads back
         return lane_linear(o, w.wo)  # [L, B, S, D]: each lane's partial sum
 
     def _prefill_cache(self, i, k, v, pos, cache, window):
@@ -235,11 +255,6 @@ class LaneModel(nn.Module):
         kc.index_copy_(2, idx, k[:, :, -len(keep):])
         vc.index_copy_(2, idx, v[:, :, -len(keep):])
         return k_all, v_all, _attention_mask(q_pos, k_pos, window)
-
-    def mlp(self, i: int, x: Tensor) -> Tensor:
-        w = self.layers[i]
-        gate, up = lane_linear(x, w.w13).chunk(2, dim=-1)
-        return lane_linear(F.silu(gate) * up, w.w2)  # SwiGLU, [L, B, S, D]
 
     # -- the only cross-lane step (spec §1.6) ---------------------------------------------------
     def reduce(self, i: int, kind: str, x: Tensor, saved: dict) -> Tensor:
@@ -274,9 +289,32 @@ class LaneModel(nn.Module):
         for i, w in enumerate(self.layers):
             a = self.attention(i, rms_norm(h, w.attn_norm, cfg.norm_eps), pos, cache)
             h = h + self.reduce(i, "attention", a, saved)
-            m = self.mlp(i, rms_norm(h, w.ffn_norm, cfg.norm_eps))
-            h = h + self.reduce(i, "mlp", m, saved)
+            h = h + self.reduce(i, "mlp", self.mlp_block(h, w.ffn_norm, w.w13, w.w2), saved)
         return h
+
+    def decode(self, tokens: Tensor, pos: int, cache: KVCache) -> Tensor:
+        """The per-token hot path: tokens [B, 1] at position pos -> logits [B, V].
+
+        Same function as `forward` with S = 1, organised as two pure block functions per layer
+        (which the engine may compile) with the cross-lane reduce between them.
+        """
+        cfg = self.cfg
+        if pos + 1 > cache.max_seq_len:
+            raise ValueError(f"position {pos} is beyond the KV cache of {cache.max_seq_len} positions")
+        B = tokens.shape[0]
+        h = F.embedding(tokens, self.embed).unsqueeze(0).expand(len(self.lanes), B, 1, cfg.hidden_size)
+        cos, sin = self.cos[pos:pos + 1], self.sin[pos:pos + 1]
+        # A layer writes slot pos (full) or pos % W (ring) and reads the filled slots: exactly the
+        # visible keys, since the slot it overwrites is the one that just left the window.
+        where = {slots: (torch.tensor([pos % slots], device=self.device), min(pos + 1, slots))
+                 for slots in set(cache.slots)}
+        saved: dict = {}
+        for i, w in enumerate(self.layers):
+            slot, n = where[cache.slots[i]]
+            a = self.attention_block(h, w.attn_norm, w.wqkv, w.wo, cache.k[i], cache.v[i], cos, sin, slot, n)
+            h = h + self.reduce(i, "attention", a, saved)
+            h = h + self.reduce(i, "mlp", self.mlp_block(h, w.ffn_norm, w.w13, w.w2), saved)
+        return self.head(h)[:, -1]
 
     def head(self, h: Tensor) -> Tensor:
         """Final norm, lane aggregation and LM head (spec §1.8). h [L, B, S, D] -> logits [B, S, V]."""
@@ -298,6 +336,8 @@ class LaneModel(nn.Module):
         return per_lane.permute(1, 2, 0, 3).reshape(B, S, L * Vl)
 
     def forward(self, ids: Tensor, pos: int = 0, cache: KVCache | None = None, last_only: bool = False) -> Tensor:
+        if cache is not None and ids.shape[1] == 1 and pos > 0:
+            return self.decode(ids, pos, cache)[:, None]
         h = self.hidden_states(ids, pos, cache)
         if last_only:
             h = h[:, :, -1:]
