@@ -47,7 +47,7 @@ sysdeps:
 	fi
 
 run: venv sysdeps
-	$(VENV)/bin/laneplay serve
+	$(VENV)/bin/laneplay engine
 
 test: venv sysdeps
 	$(PY) -m pytest
