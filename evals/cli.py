@@ -22,7 +22,7 @@ PROBLEM_SET_CHARS = 64  # storage.limits.MAX_PROBLEM_SET_CHARS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--problems", default="humaneval:0-20",
+    p.add_argument("--problems", required=True,
                    help="humaneval, humaneval:A-B (end exclusive), humaneval:HumanEval/3,... or a .jsonl[.gz] file")
     p.add_argument("--n", type=int, default=16, help="samples per problem, 0-16 (0: greedy only)")
     p.add_argument("--temperature", type=float, default=0.8, help="for the samples; greedy is always 0")
@@ -34,8 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=0, help="sample i of every problem uses seed + i")
     p.add_argument("--workers", type=int, default=None, help="sandbox checks in parallel (default and cap: the cores)")
-    p.add_argument("--model", default=None, help="checkpoint to load (default: the engine's embedded default model); with "
-                   "--engine-url, the model name sent to the server (default: none, the server's model)")
+    p.add_argument("--model", default=None, help="checkpoint to load (default: the engine's embedded default "
+                   "model); with --engine-url, the model name sent to the server (default: the server's model)")
     p.add_argument("--engine-url", default=None, help="use an engine server (OpenAI-compatible API) instead of "
                    "loading the model here, e.g. http://127.0.0.1:8000")
     p.add_argument("--device", default="cpu")
@@ -59,10 +59,9 @@ def _config(args):
     from evals.runner import EvalConfig
     from evals.sandbox import MAX_TIMEOUT_S
 
-    config = EvalConfig(mode=args.mode, n_samples=args.n,
-                        temperature=args.temperature, greedy=args.greedy, seed=args.seed,
-                        max_tokens=args.max_tokens, timeout_s=args.timeout_s, memory_mb=args.memory_mb,
-                        workers=args.workers)
+    config = EvalConfig(mode=args.mode, n_samples=args.n, temperature=args.temperature, greedy=args.greedy,
+                        seed=args.seed, max_tokens=args.max_tokens, timeout_s=args.timeout_s,
+                        memory_mb=args.memory_mb, workers=args.workers)
     if not 0 <= args.n <= 16:
         raise ValueError(f"--n must be in [0, 16] (got {args.n})")
     config.validate()
