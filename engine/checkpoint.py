@@ -332,6 +332,7 @@ def _gguf_config(src: GGUFSource, name: str) -> ModelConfig:
 
 def open_checkpoint(path: Path) -> tuple[ModelConfig, TensorSource]:
     """Config and tensor source of a checkpoint directory or GGUF file (no tensor data read yet)."""
+    path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
         src = GGUFSource(path)
         return _gguf_config(src, path.stem), src
@@ -369,8 +370,11 @@ def key_plan(cfg: ModelConfig, src: TensorSource) -> dict[str, list[Part]]:
 
 
 def load_weights(cfg: ModelConfig, src: TensorSource, lanes: range | None = None, dtype=torch.float32,
-                 device="cpu", skip: tuple[str, ...] = ()) -> dict[str, Tensor]:
-    """Engine-layout tensors for `lanes`, streamed one checkpoint tensor at a time."""
+                 device="cpu", head_rows: range | None = None) -> dict[str, Tensor]:
+    """Engine-layout tensors for `lanes`, streamed one checkpoint tensor at a time.
+
+    `head_rows`: read only these vocab rows of a replicated [V, D] head (a DTP rank's shard).
+    """
     lanes = lanes if lanes is not None else range(cfg.num_lanes)
     plan = key_plan(cfg, src)
 
@@ -379,15 +383,17 @@ def load_weights(cfg: ModelConfig, src: TensorSource, lanes: range | None = None
 
     weights: dict[str, Tensor] = {}
     for name, parts in plan.items():
-        if name in skip:
-            continue
-        pieces = [p.take(read, lanes).to(dtype) for p in parts]
-        # Fused tensors (q|k|v, gate|up) concatenate along each lane's output rows.
-        t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-2)
-        weights[name] = t.contiguous().to(device)
-        del pieces
-    if "head" not in plan and "head" not in skip:  # tied embeddings
-        weights["head"] = weights["embed"]
+        if name == "head" and head_rows is not None:
+            t = read(parts[0].key, (slice(head_rows.start, head_rows.stop),))
+        else:
+            pieces = [p.take(read, lanes).to(dtype) for p in parts]
+            # Fused tensors (q|k|v, gate|up) concatenate along each lane's output rows.
+            t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-2)
+            del pieces
+        weights[name] = t.to(dtype).contiguous().to(device)
+    if "head" not in plan:  # tied embeddings
+        rows = head_rows if head_rows is not None else range(cfg.vocab_size)
+        weights["head"] = weights["embed"][rows.start:rows.stop]
     return weights
 
 
@@ -449,14 +455,31 @@ def random_laneformer_tensors(raw: dict, seed: int = 0, layout: str = "3d") -> d
     return t
 
 
+def write_byte_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A byte-level tokenizer.json (ids 0..255 are the bytes) so random checkpoints can generate text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    vocab.update({f"<extra_{i}>": i for i in range(len(alphabet), vocab_size)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False, "add_eos_token": False}))
+
+
 def write_checkpoint(directory: str | os.PathLike, raw_config: dict, tensors: dict[str, Tensor],
-                     dtype=torch.float32, max_shard_bytes: int | None = None) -> Path:
-    """Save config.json + safetensors (one file, or shards with model.safetensors.index.json)."""
+                     dtype=torch.float32, max_shard_bytes: int | None = None, tokenizer: bool = True) -> Path:
+    """Save config.json + safetensors (one file, or shards with model.safetensors.index.json), plus a
+    byte-level tokenizer when the vocabulary has room for one."""
     from safetensors.torch import save_file
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(raw_config, indent=2))
+    if tokenizer and raw_config["vocab_size"] >= 256:
+        write_byte_tokenizer(out, raw_config["vocab_size"])
     tensors = {k: v.to(dtype).contiguous() for k, v in tensors.items()}
     if not max_shard_bytes:
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
