@@ -1,0 +1,146 @@
+"""The DTP runtime on CPU with gloo: same function at every world size, delayed or "wait now"."""
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from engine import SamplingParams, load_engine
+from engine.checkpoint import random_laneformer_tensors, tiny_laneformer_config, write_checkpoint
+from engine.dtp import DTPError
+
+pytestmark = pytest.mark.slow
+
+LANES8 = dict(num_lanes=8, num_attention_heads=16, num_key_value_heads=8, hidden_size=64, intermediate_size=128)
+CONFIGS = {
+    "d1-early": dict(broadcast_delay=1, use_early_comm=True),
+    "d1-late": dict(broadcast_delay=1, use_early_comm=False),
+    "d2-early": dict(broadcast_delay=2, use_early_comm=True),
+    "d2-late": dict(broadcast_delay=2, use_early_comm=False),
+    "vocab-parallel": dict(broadcast_delay=2, lm_head_type="vocab_parallel"),
+    "lane-head-lane-norms": dict(broadcast_delay=2, lm_head_type="lane", replicated_rmsn_scale=False),
+    "pre-norm-agg": dict(broadcast_delay=1, pre_norm_lane_agg=True, early_layers_broadcast=False),
+}
+IDS = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(0))  # window 8 < 20
+PROMPT = [3, 14, 15, 92, 65]
+
+
+def collect(eng, **params):
+    texts, tokens = {}, {}
+    for ev in eng.generate(PROMPT, SamplingParams(**params)):
+        texts[ev.sample_index] = texts.get(ev.sample_index, "") + ev.text
+        tokens.setdefault(ev.sample_index, []).extend(ev.token_ids)
+    return texts, tokens
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """name -> (path, reference logits, greedy tokens, sampled texts) from the single-process engine."""
+    out = {}
+    for name, overrides in CONFIGS.items():
+        raw = tiny_laneformer_config(**LANES8, **overrides)
+        path = write_checkpoint(tmp_path_factory.mktemp(name), raw, random_laneformer_tensors(raw, seed=len(out)))
+        single = load_engine(path, compile=False)
+        out[name] = (path, single.logits(IDS), collect(single, max_tokens=8)[1],
+                     collect(single, max_tokens=8, temperature=1.0, top_p=0.9, seed=7, n=2)[0])
+    return out
+
+
+@pytest.fixture(scope="module", params=[2, 4, 8])
+def cluster(request, checkpoints):
+    eng = load_engine(next(iter(checkpoints.values()))[0], world_size=request.param, timeout_s=60)
+    yield eng
+    eng.close()
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_every_world_size_computes_the_single_process_function(cluster, checkpoints, name):
+    path, ref_logits, ref_greedy, ref_sampled = checkpoints[name]
+    cluster.load(path, torch.float32)
+    for wait_now in (False, True):
+        cluster.configure(wait_now=wait_now)
+        assert (cluster.logits(IDS) - ref_logits).abs().max() <= 1e-5
+        assert collect(cluster, max_tokens=8)[1] == ref_greedy
+    cluster.configure(wait_now=False)
+    assert collect(cluster, max_tokens=8, temperature=1.0, top_p=0.9, seed=7, n=2)[0] == ref_sampled
+
+
+def test_each_rank_holds_its_share_of_the_layer_weights(cluster, checkpoints):
+    path = checkpoints["d2-early"][0]
+    cluster.load(path, torch.float32)
+    single = load_engine(path, compile=False)
+    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+    total = sum(nbytes(t) for lw in single.model.layers for t in vars(lw).values())
+    norms = sum(nbytes(lw.attn_norm) + nbytes(lw.ffn_norm) for lw in single.model.layers)  # replicated [D]
+    per_rank = [info["layer_bytes"] for info in cluster.rank_info]
+    print(f"world {cluster.world_size}: layer bytes per rank {per_rank} of {total} "
+          f"({', '.join(f'{b / total:.3f}' for b in per_rank)})")
+    assert per_rank == [(total - norms) // cluster.world_size + norms] * cluster.world_size
+
+
+def test_llama_checkpoint_runs_as_standard_tensor_parallelism(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                   num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
+    from engine.checkpoint import write_byte_tokenizer
+    write_byte_tokenizer(tmp_path / "llama", 300)
+    single = load_engine(tmp_path / "llama", compile=False)
+    ref, ref_tokens = single.logits(IDS), collect(single, max_tokens=6)[1]
+    for ws in (2, 4):
+        eng = load_engine(tmp_path / "llama", world_size=ws)
+        try:
+            assert eng.cfg.num_lanes == ws
+            assert (eng.logits(IDS) - ref).abs().max() <= 1e-5
+            assert collect(eng, max_tokens=6)[1] == ref_tokens
+        finally:
+            eng.close()
+
+
+def test_world_size_must_divide_the_lanes(checkpoints):
+    with pytest.raises(ValueError, match="must divide the model's 8 lanes"):
+        load_engine(checkpoints["d2-early"][0], world_size=3)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead too
+        return f.read().split()[2] != "Z"
+
+
+def test_a_killed_rank_ends_generation_with_a_clear_error_and_no_process_left(checkpoints):
+    eng = load_engine(checkpoints["d2-early"][0], world_size=2, timeout_s=20)
+    pids = eng.pids
+    events = eng.generate(PROMPT, SamplingParams(max_tokens=120, ignore_eos=True))
+    next(events)
+    t0 = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    with pytest.raises(DTPError, match=r"rank 1 died"):
+        for _ in events:
+            pass
+    assert time.monotonic() - t0 < 20 + 10
+    time.sleep(0.5)
+    assert not any(_alive(p) for p in pids)
+    with pytest.raises(DTPError):
+        eng.logits(IDS)
+
+
+def test_close_leaves_no_process_behind(checkpoints):
+    eng = load_engine(checkpoints["d1-late"][0], world_size=4)
+    pids = eng.pids
+    eng.close()
+    assert not any(_alive(p) for p in pids)
+
+
+def test_stop_string_cancels_all_ranks_and_the_engine_stays_usable(cluster, checkpoints):
+    path, _, ref_greedy, _ = checkpoints["d2-late"]
+    cluster.load(path, torch.float32)
+    events = cluster.generate(PROMPT, SamplingParams(max_tokens=50, ignore_eos=True))
+    next(events)
+    events.close()  # the consumer walks away mid-request
+    assert collect(cluster, max_tokens=8)[1] == ref_greedy
