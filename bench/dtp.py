@@ -33,7 +33,7 @@ def run_mode(eng, tokens: int, rounds: int) -> dict:
     from engine import SamplingParams
 
     prompt = list(range(10, 42))
-    tps, per_token = [], {"wait": [], "exposed": [], "blocking": []}
+    tps, per_token = [], {"wait": [], "exposed": [], "blocking": [], "step": []}
     for _ in range(rounds):
         final = None
         for ev in eng.generate(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True)):
@@ -83,7 +83,8 @@ def main(argv=None) -> int:
           f"{args.tokens} tokens x {args.rounds} rounds. {note}\n")
     print_table(rows, [("mode", "mode", "s"), ("world", "ranks", "d"), ("ms_per_token", "ms/token", ".2f"),
                        ("decode_tps", "tok/s", ".1f"), ("wait_ms", "delayed-wait ms/tok", ".2f"),
-                       ("exposed_ms", "wait-now ms/tok", ".2f"), ("blocking_ms", "blocking ms/tok", ".2f")])
+                       ("exposed_ms", "wait-now ms/tok", ".2f"), ("blocking_ms", "blocking ms/tok", ".2f"),
+                       ("step_ms", "rank-0 step ms", ".2f")])
     delayed = [r for r in rows if r["mode"].startswith("delayed")]
     exposed = [r for r in rows if r["mode"].startswith("wait now")]
     if delayed and exposed:

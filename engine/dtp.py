@@ -195,7 +195,11 @@ class RankRunner:
 
     @torch.inference_mode()
     def decode_step(self, tokens: Tensor, pos: int) -> Tensor:
-        return self.model.decode(tokens, pos, self.cache)
+        t0 = time.perf_counter()
+        out = self.model.decode(tokens, pos, self.cache)
+        if self.comm.record:
+            self.comm.events.append(("step", t0, time.perf_counter()))
+        return out
 
     @torch.inference_mode()
     def pick(self, local: Tensor, params: SamplingParams, generators) -> Tensor:
@@ -258,11 +262,15 @@ class RankRunner:
             self.conn.send(("done", rid, self.timeline_summary()))
 
     def timeline_summary(self) -> dict:
-        """Blocked time on this rank: waits on delayed collectives vs blocking ones."""
-        out = {"rank": self.rank}
-        for kind in ("blocking", "exposed", "issue", "wait"):
+        """Where rank 0's decode steps went: whole steps, and the time blocked in collectives inside them
+        (waits on delayed all-reduces, immediate "wait now" waits, blocking all-reduces); the rest is compute.
+        `events` keeps the raw (kind, start, end) spans of this request."""
+        out = {"rank": self.rank, "events": [(k, s, e) for k, s, e in self.comm.events]}
+        for kind in ("step", "blocking", "exposed", "issue", "wait"):
             spans = [e - s for k, s, e in self.comm.events if k == kind]
             out[kind] = {"count": len(spans), "ms": 1000 * sum(spans)}
+        blocked = sum(out[k]["ms"] for k in ("blocking", "exposed", "wait"))
+        out["compute_ms"] = out["step"]["ms"] - blocked if out["step"]["count"] else None
         return out
 
 
