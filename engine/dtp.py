@@ -476,11 +476,7 @@ class DTPEngine(Engine):
         self._gather_replies("configured", timeout=self.timeout_s)
 
     # -- the engine surface --
-    def logits(self, ids) -> Tensor:
-        ids = torch.as_tensor(ids, dtype=torch.long)
-        ids = ids[None] if ids.dim() == 1 else ids
-        if ids.dim() != 2 or ids.shape[1] == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size:
-            raise ValueError(f"ids must be a non-empty [batch, seq] tensor of ids in [0, {self.cfg.vocab_size})")
+    def _full_forward(self, ids: Tensor) -> Tensor:
         self._send(("logits", ids.tolist()))
         return torch.from_numpy(self._recv()[1])
 

@@ -61,7 +61,6 @@ class Engine:
     def model_name(self) -> str:
         return self.cfg.name or self.path.name
 
-    @torch.inference_mode()
     def logits(self, ids) -> Tensor:
         """Full causal forward without a cache: ids [B, S] -> float32 logits [B, S, V]."""
         ids = torch.as_tensor(ids, dtype=torch.long)
@@ -71,6 +70,10 @@ class Engine:
             raise ValueError(f"ids must be a non-empty [batch, seq] tensor, got shape {list(ids.shape)}")
         if int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.cfg.vocab_size})")
+        return self._full_forward(ids)
+
+    @torch.inference_mode()
+    def _full_forward(self, ids: Tensor) -> Tensor:
         return self.model(ids.to(self.device), pos=0, cache=None)
 
     # ---- generation ---------------------------------------------------------------------------
