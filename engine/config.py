@@ -55,6 +55,9 @@ class ModelConfig:
     # Old code: layers d..2d-1 re-add the other lanes' outputs of layers 0..d-1 (spec §1.6 quirk).
     # False = the newer revision, where layers < d broadcast nothing to the future.
     early_layers_broadcast: bool = True
+    # Newer revision: per-layer "does layer i send its output to layer i + d" (None: derived as above).
+    attention_to_future: tuple[bool, ...] | None = None
+    mlp_to_future: tuple[bool, ...] | None = None
     sliding_window: int | None = None
     swa_layers: tuple[int, ...] = ()
     rope_theta: float = 10000.0
@@ -119,6 +122,9 @@ class ModelConfig:
         d = self.broadcast_delay
         if self.reduce_mode(layer, kind) != PAST:
             return False
+        flags = self.attention_to_future if kind == "attention" else self.mlp_to_future
+        if flags is not None:
+            return flags[layer - d]
         return layer - d >= d or self.early_layers_broadcast
 
     def broadcasts_to_future(self, layer: int, kind: str) -> bool:
@@ -155,6 +161,10 @@ class ModelConfig:
         if self.sliding_window is not None:
             need(isinstance(self.sliding_window, int) and self.sliding_window > 0,
                  f"sliding_window must be a positive integer, got {self.sliding_window!r}")
+        for name in ("attention_to_future", "mlp_to_future"):
+            flags = getattr(self, name)
+            need(flags is None or len(flags) == self.num_layers,
+                 f"broadcast_{name} must have one entry per layer ({self.num_layers})")
         need(all(0 <= i < self.num_layers for i in self.swa_layers),
              f"sliding-window layer indices {list(self.swa_layers)} out of range for {self.num_layers} layers")
         need(self.norm_eps > 0 and math.isfinite(self.norm_eps), f"norm_eps must be > 0, got {self.norm_eps}")
@@ -192,6 +202,7 @@ _IGNORED_KEYS = {
     "num_attention_heads", "num_key_value_heads", "rope_theta", "rope_scaling", "rope_scaling_args",
     "rope_parameters", "norm_eps", "rms_norm_eps", "num_lanes", "broadcast_delay", "use_comm",
     "use_early_comm", "use_attention_comm", "use_mlp_comm", "early_layers_broadcast", "sliding_window",
+    "broadcast_attention_to_future", "broadcast_mlp_to_future",
     "sliding_window_n_layers", "unclamped_layers", "swa_layers", "layer_types", "replicated_rmsn_scale",
     "lm_head_type", "pre_norm_lane_agg", "use_sliding_window", "max_window_layers", "name",
     "generation_config", "chat_template", "quantization_config",
@@ -255,6 +266,18 @@ def _swa_layers(raw: dict, n_layers: int) -> tuple[int, ...]:
     return tuple(range(n_layers))  # a bare `sliding_window` means every layer
 
 
+def _layer_flags(raw: dict, key: str, n_layers: int) -> tuple[bool, ...] | None:
+    """A per-layer bool list (or one bool for all layers), e.g. broadcast_mlp_to_future."""
+    v = raw.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool):
+        return (v,) * n_layers
+    if not isinstance(v, list) or len(v) != n_layers or not all(isinstance(x, bool) for x in v):
+        raise ConfigError(f"config.json: {key} must be a bool or a list of {n_layers} bools, got {v!r}")
+    return tuple(v)
+
+
 def config_from_hf(raw: dict, name: str = "") -> ModelConfig:
     """Build a ModelConfig from a parsed config.json dict; unknown keys warn, bad values raise."""
     mtype = raw.get("model_type")
@@ -312,6 +335,8 @@ def config_from_hf(raw: dict, name: str = "") -> ModelConfig:
         use_mlp_comm=bool(raw.get("use_mlp_comm", use_comm)),
         use_early_comm=bool(raw.get("use_early_comm", True)),
         early_layers_broadcast=bool(raw.get("early_layers_broadcast", True)),
+        attention_to_future=_layer_flags(raw, "broadcast_attention_to_future", n_layers),
+        mlp_to_future=_layer_flags(raw, "broadcast_mlp_to_future", n_layers),
         lane_norms=not bool(raw.get("replicated_rmsn_scale", True)),
         lm_head_type=str(raw.get("lm_head_type", "replicate")),
         pre_norm_lane_agg=bool(raw.get("pre_norm_lane_agg", False)),

@@ -169,3 +169,19 @@ def test_compiled_decode_step_matches_eager(tmp_path):
         a = eager.model.decode(ids[:, p:p + 1], p, caches[0])
         b = compiled.model.decode(ids[:, p:p + 1], p, caches[1])
         assert (a - b).abs().max() <= 1e-4 * a.abs().max()
+
+
+def test_per_layer_broadcast_flags_of_the_newer_revision(tmp_path):
+    # "layers < d do not broadcast to the future" written as per-layer flags (newer config style)
+    # is the same function as early_layers_broadcast=False (checked against the reference).
+    n, d = 5, 2
+    flags = [i >= d and i + d < n for i in range(n)]
+    raw = tiny_laneformer_config(broadcast_delay=d, broadcast_attention_to_future=flags, broadcast_mlp_to_future=flags)
+    tensors = random_laneformer_tensors(raw, seed=6)
+    write_checkpoint(tmp_path / "c", raw, tensors)
+    reference_cfg = {k: v for k, v in raw.items() if not k.startswith("broadcast_") or k == "broadcast_delay"}
+    reference_cfg["early_layers_broadcast"] = False
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(1))
+    ref = naive_logits(reference_cfg, tensors, ids)
+    got = load_engine(tmp_path / "c").logits(ids)
+    assert (got - ref).abs().max() <= 1e-4 * ref.abs().max()
