@@ -142,16 +142,26 @@ class DTPLaneModel(LaneModel):
             return self.gather_vocab(per_lane).float()  # vocab_parallel: this rank's lanes' slices
         return (y @ self.head_weight.T).float()
 
-    def gather_logits(self, local: Tensor) -> Tensor:
-        """All ranks' vocab shards -> full logits [..., V] (shards are contiguous and in rank order)."""
-        if self.full_logits:
-            return local
+    def gather_logits(self, local: Tensor, tail: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """All ranks' vocab shards [..., V_r] -> full logits [..., V] (shards are contiguous, in rank
+        order, padded to one size). `tail`: a few floats per rank that ride along, returned [world, t]."""
+        if self.full_logits and tail is None:
+            return local, None
+        tail = local.new_zeros(0) if tail is None else tail
+        if self.full_logits:  # already whole on every rank: only the tail needs exchanging
+            parts = [torch.empty_like(tail) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, tail)
+            return local, torch.stack(parts)
         world, V = dist.get_world_size(), self.cfg.vocab_size
         per = math.ceil(V / world)
-        padded = torch.nn.functional.pad(local, (0, per - local.shape[-1]), value=float("-inf")).contiguous()
-        parts = [torch.empty_like(padded) for _ in range(world)]
-        dist.all_gather(parts, padded)
-        return torch.cat(parts, dim=-1)[..., :V]
+        padded = torch.nn.functional.pad(local, (0, per - local.shape[-1]), value=float("-inf"))
+        payload = torch.cat([padded.flatten(), tail])
+        parts = [torch.empty_like(payload) for _ in range(world)]
+        dist.all_gather(parts, payload)
+        table = torch.stack(parts)  # [world, numel + t]
+        shards = table[:, :padded.numel()].view(world, *padded.shape)
+        full = shards.movedim(0, -2).reshape(*padded.shape[:-1], world * per)[..., :V]
+        return full, table[:, padded.numel():]
 
 
 # ---- one rank -----------------------------------------------------------------------------------
@@ -188,10 +198,8 @@ class RankRunner:
     # -- the runner protocol of engine.generate.token_steps --
     @torch.inference_mode()
     def prefill(self, ids: Tensor, n: int, max_seq_len: int) -> Tensor:
-        cache = self.model.new_cache(1, max_seq_len)
-        local = self.model(ids, pos=0, cache=cache, last_only=True)[:, -1]
-        self.cache = cache.expand_batch(n) if n > 1 else cache
-        return local.expand(n, -1)
+        local, self.cache = self.model.prefill(ids, n, max_seq_len)
+        return local
 
     @torch.inference_mode()
     def decode_step(self, tokens: Tensor, pos: int) -> Tensor:
@@ -207,10 +215,7 @@ class RankRunner:
         Rank 0's stop flag rides along, so all ranks leave the loop at the same step."""
         flag = torch.tensor([1.0 if self.rank == 0 and self._cancel_requested() else 0.0], device=local.device)
         n = local.shape[0]
-        if self.model.full_logits:  # every rank already holds the whole logits
-            dist.all_reduce(flag)
-            tokens = sample(local, params, generators)
-        elif params.greedy:
+        if params.greedy and not self.model.full_logits:
             best, idx = local.max(-1)
             payload = torch.cat([best, (idx + self.model.rows.start).float(), flag])
             parts = [torch.empty_like(payload) for _ in range(self.world)]
@@ -218,23 +223,12 @@ class RankRunner:
             table = torch.stack(parts)  # [world, 2n + 1]
             winner = table[:, :n].argmax(0)  # first maximum: the lowest rank, i.e. the lowest vocab id
             tokens = table[:, n:2 * n].gather(0, winner[None])[0].long()
-            flag = table[:, -1:].sum(0)
+            flags = table[:, -1]
         else:
-            logits, flag = self._gather_with_flag(local, flag)
+            logits, flags = self.model.gather_logits(local, flag)
             tokens = sample(logits, params, generators)
-        self.cancelled = bool(flag.item() > 0)
+        self.cancelled = bool(flags.sum().item() > 0)
         return tokens
-
-    def _gather_with_flag(self, local: Tensor, flag: Tensor):
-        V, per = self.cfg.vocab_size, math.ceil(self.cfg.vocab_size / self.world)
-        n = local.shape[0]
-        padded = torch.nn.functional.pad(local, (0, per - local.shape[-1]), value=float("-inf"))
-        payload = torch.cat([padded.flatten(), flag])
-        parts = [torch.empty_like(payload) for _ in range(self.world)]
-        dist.all_gather(parts, payload)
-        table = torch.stack(parts)  # [world, n*per + 1]
-        logits = table[:, :-1].view(self.world, n, per).permute(1, 0, 2).reshape(n, self.world * per)[:, :V]
-        return logits, table[:, -1].sum()
 
     def _cancel_requested(self) -> bool:
         while self.conn.poll():
@@ -247,7 +241,7 @@ class RankRunner:
     def logits(self, ids) -> Tensor:
         with torch.inference_mode():
             local = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), pos=0, cache=None)
-            return self.model.gather_logits(local).cpu()
+            return self.model.gather_logits(local)[0].cpu()
 
     def generate(self, rid, ids, params: SamplingParams, seeds, eos_ids):
         self.request_id, self.cancelled = rid, False

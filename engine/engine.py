@@ -80,10 +80,8 @@ class Engine:
     @torch.inference_mode()
     def prefill(self, ids: Tensor, n: int, max_seq_len: int) -> Tensor:
         """Prompt at batch 1 into a fresh cache, copied to n samples; logits of the last token [n, V]."""
-        cache = self.model.new_cache(1, max_seq_len)
-        logits = self.model(ids, pos=0, cache=cache, last_only=True)[:, -1]
-        self._cache = cache.expand_batch(n) if n > 1 else cache
-        return logits.expand(n, -1)
+        logits, self._cache = self.model.prefill(ids, n, max_seq_len)
+        return logits
 
     @torch.inference_mode()
     def decode_step(self, tokens: Tensor, pos: int) -> Tensor:

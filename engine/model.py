@@ -153,9 +153,6 @@ class KVCache:
             self.v.append(torch.zeros(shape, dtype=dtype, device=device))
             self.slots.append(slots)
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
-
     def expand_batch(self, n: int) -> "KVCache":
         """A cache for n sequences that all start with this (batch-1) cache's content."""
         assert self.batch == 1
@@ -346,6 +343,13 @@ class LaneModel(nn.Module):
         if last_only:
             h = h[:, :, -1:]
         return self.head(h)
+
+    def prefill(self, ids: Tensor, n: int, max_seq_len: int) -> tuple[Tensor, KVCache]:
+        """A prompt [1, S] at batch 1 into a fresh cache, then copied for n samples:
+        (last-position logits [n, V] (a rank's shard under DTP), the n-sample cache)."""
+        cache = self.new_cache(1, max_seq_len)
+        logits = self(ids, pos=0, cache=cache, last_only=True)[:, -1]
+        return logits.expand(n, -1), (cache.expand_batch(n) if n > 1 else cache)
 
     def new_cache(self, batch: int, max_seq_len: int | None = None) -> KVCache:
         return KVCache(self.cfg, len(self.lanes), batch, max_seq_len or self.cfg.max_position_embeddings,
