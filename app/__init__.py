@@ -1,0 +1,1 @@
+"""The web playground: Gradio Blocks mounted in FastAPI (uvicorn), the engine client and supervisor, share pages."""

@@ -1,6 +1,6 @@
 """Batch-1 decode speed of the embedded default model: ours vs Hugging Face transformers, same weights.
 
-    python -m bench.decode [--rounds 5] [--new-tokens 128] [--no-hf]
+    python -m laneplay.bench.decode [--rounds 5] [--new-tokens 128] [--no-hf]
 
 Both engines get identical prompt ids (the chat template applied to one question), decode greedily to
 exactly `--new-tokens` tokens in float32, and are timed where tokens are produced: TTFT, and decode
@@ -15,13 +15,13 @@ import time
 
 import torch
 
-from bench.common import load_average, measure_bandwidth, median, print_table, write_json
+from laneplay.bench.common import load_average, measure_bandwidth, median, print_table, write_json
 
 QUESTION = "Write a Python function that checks whether a number is prime."
 
 
 def our_run(eng, ids, new_tokens, n=1, temperature=0.0):
-    from engine import SamplingParams
+    from laneplay.engine import SamplingParams
 
     finals = {}
     params = SamplingParams(max_tokens=new_tokens, temperature=temperature, seed=0, n=n, ignore_eos=True)
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from engine import load_engine
+    from laneplay.engine import load_engine
 
     print(f"load average before: {load_average():.2f} (numbers are only meaningful on a quiet machine)")
     t = time.perf_counter()
@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     if not args.no_hf:
         import transformers
 
-        from engine.checkpoint import resolve_checkpoint
+        from laneplay.engine.checkpoint import resolve_checkpoint
 
         path = resolve_checkpoint("smollm2-135m-instruct")
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,

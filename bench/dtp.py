@@ -1,6 +1,6 @@
 """DTP: delayed collectives vs "wait now" at the same world size, same run, same engine.
 
-    python -m bench.dtp [--world-size N] [--tokens 64] [--rounds 3]
+    python -m laneplay.bench.dtp [--world-size N] [--tokens 64] [--rounds 3]
 
 A random Laneformer checkpoint shaped like the released model (8 lanes, 15 layers, GQA, 10 sliding-window
 layers, broadcast_delay 2) at a small width is written to a temp dir and served by N ranks. For each
@@ -17,11 +17,11 @@ import tempfile
 
 import torch
 
-from bench.common import load_average, median, print_table, write_json
+from laneplay.bench.common import load_average, median, print_table, write_json
 
 
 def released_shape(width: int) -> dict:
-    from engine.checkpoint import tiny_laneformer_config
+    from laneplay.engine.checkpoint import tiny_laneformer_config
 
     return tiny_laneformer_config(
         vocab_size=8192, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=15,
@@ -30,7 +30,7 @@ def released_shape(width: int) -> dict:
 
 
 def run_mode(eng, tokens: int, rounds: int) -> dict:
-    from engine import SamplingParams
+    from laneplay.engine import SamplingParams
 
     prompt = list(range(10, 42))
     tps, per_token = [], {"wait": [], "exposed": [], "blocking": [], "step": []}
@@ -39,7 +39,7 @@ def run_mode(eng, tokens: int, rounds: int) -> dict:
         for ev in eng.generate(prompt, SamplingParams(max_tokens=tokens, ignore_eos=True)):
             final = ev.metrics if ev.finish_reason else final
         tps.append(final.decode_tokens_per_second)
-        tl = getattr(eng, "last_timeline", None) or {}
+        tl = getattr(eng.runner, "last_timeline", None) or {}
         for k in per_token:
             per_token[k].append(tl.get(k, {}).get("ms", 0.0) / tokens)
     t = median(tps)
@@ -54,8 +54,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
-    from engine import load_engine
-    from engine.checkpoint import random_laneformer_tensors, write_checkpoint
+    from laneplay.engine import load_engine
+    from laneplay.engine.checkpoint import random_laneformer_tensors, write_checkpoint
 
     ws = args.world_size or (max(1, torch.cuda.device_count()) if args.device == "cuda" else 2)
     raw = released_shape(args.width)
@@ -70,7 +70,7 @@ def main(argv=None) -> int:
             eng = load_engine(d, device=args.device, world_size=ws, timeline=True)
             try:
                 for wait_now in (False, True, False):  # delayed twice: before and after, to see drift
-                    eng.configure(wait_now=wait_now, timeline=True)
+                    eng.runner.configure(wait_now=wait_now, timeline=True)
                     run_mode(eng, 8, 1)
                     name = "wait now (exposed)" if wait_now else "delayed (DTP)"
                     rows.append({"mode": name, "world": ws, **run_mode(eng, args.tokens, args.rounds)})

@@ -1,6 +1,6 @@
 """Load test for the engine server: N concurrent streaming clients; TTFT, queue wait and tokens/s percentiles.
 
-    python -m bench.load --url http://127.0.0.1:8000 --clients 20 --max-tokens 32
+    python -m laneplay.bench.load --url http://127.0.0.1:8000 --clients 20 --max-tokens 32
 
 All clients send one streaming request at the same moment. The engine runs one request at a time
 (latency first), so client TTFT (send -> first text) grows with the queue; the server's own numbers
@@ -108,7 +108,7 @@ def print_table(r: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.load", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m laneplay.bench.load", description=__doc__.splitlines()[0])
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--clients", type=int, default=20)
     p.add_argument("--max-tokens", type=int, default=32)
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = asyncio.run(run_load(args))
     except httpx.HTTPError as e:
-        print(f"bench.load: cannot reach the engine at {args.url} ({e}); start it with `laneplay engine`",
+        print(f"laneplay.bench.load: cannot reach the engine at {args.url} ({e}); start it with `laneplay engine`",
               file=sys.stderr)
         return 2
     print_table(result)

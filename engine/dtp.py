@@ -17,6 +17,7 @@ error naming it, and no process is left behind.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 import secrets
@@ -37,12 +38,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from engine.checkpoint import load_weights, open_checkpoint, resolve_checkpoint
-from engine.config import ModelConfig
-from engine.engine import Engine, load_checkpoint_tokenizer
-from engine.generate import token_steps
-from engine.model import LaneModel, rms_norm
-from engine.sampling import SamplingParams, sample
+from laneplay.engine.checkpoint import load_weights, open_checkpoint
+from laneplay.engine.config import ModelConfig
+from laneplay.engine.model import LaneModel
+from laneplay.engine.runner import LocalRunner
+from laneplay.engine.runtime import Runtime
+from laneplay.engine.sampling import SamplingParams, sample
 
 
 class DTPError(RuntimeError):
@@ -75,12 +76,20 @@ def vocab_rows(cfg: ModelConfig, rank: int, world_size: int) -> range:
 # ---- collectives ------------------------------------------------------------------------------
 
 class DistLanes:
-    """Cross-lane sums across ranks: local sum of hosted lanes, then an all-reduce across ranks."""
+    """Cross-lane sums across ranks (local sum of the hosted lanes, then an all-reduce), and the
+    gathers that turn the ranks' head outputs into tokens. The model a rank runs is the plain
+    `LaneModel` on its slice of the lanes; everything distributed lives here."""
 
-    def __init__(self, wait_now: bool = False, record: bool = False):
+    def __init__(self, cfg: ModelConfig, rank: int, world: int, rows: range, wait_now: bool = False,
+                 record: bool = False, stop_requested=lambda: False):
+        self.cfg, self.rank, self.world, self.rows = cfg, rank, world, rows  # rows: this rank's vocab shard
+        self.device = torch.device("cpu")  # where flags live for the collective (the rank's device, set by Rank)
         self.wait_now, self.record = wait_now, record
+        self.stop_requested = stop_requested  # rank 0: has the front asked to stop this request?
+        self.stopped = False  # set by every rank from rank 0's flag, at the same step
         self.events: list[tuple[str, float, float]] = []  # (kind, start, end): blocked time on this rank
 
+    # -- the delayed reduce (issue and wait points) --
     def _local(self, x: Tensor) -> Tensor:
         # A fresh buffer: the collective writes into it, and x is still needed as this lane's own partial.
         return x.sum(0, keepdim=True) if x.shape[0] > 1 else x.clone()
@@ -114,33 +123,14 @@ class DistLanes:
                 self.events.append(("wait", t0, time.perf_counter()))
         return s
 
+    def note_step(self, start: float, end: float) -> None:
+        if self.record:
+            self.events.append(("step", start, end))
 
-class DTPLaneModel(LaneModel):
-    """A rank's slice of the model; its head yields this rank's part of the logits."""
-
-    def __init__(self, cfg, weights, lanes, comm, rows: range):
-        super().__init__(cfg, weights, lanes, comm)
-        self.rows = rows  # this rank's vocab rows (replicate / pre_norm_lane_agg heads)
-
+    # -- from the head's output to tokens (spec §2.5) --
     @property
     def full_logits(self) -> bool:  # the lane head all-reduces whole-vocabulary logits
         return self.cfg.lm_head_type == "lane"
-
-    def head(self, h: Tensor) -> Tensor:
-        """[L_r, B, S, D] -> this rank's vocab shard [B, S, V_r] (or full logits for the lane head)."""
-        cfg, comm, eps = self.cfg, self.comm, self.cfg.norm_eps
-        if cfg.pre_norm_lane_agg:
-            y = rms_norm(comm.lane_sum(h)[0], self.norm, eps)
-        elif cfg.lm_head_type == "replicate":  # y = mean over all lanes of Norm(h_l), then the shard rows
-            y = comm.lane_sum(rms_norm(h, self.norm, eps))[0] / cfg.num_lanes
-        else:
-            hn = rms_norm(h, self.norm, eps)
-            per_lane = torch.bmm(hn.flatten(1, 2), self.head_weight.transpose(1, 2))  # [L_r, B*S, V or V/L]
-            per_lane = per_lane.view(len(self.lanes), *h.shape[1:3], -1)
-            if cfg.lm_head_type == "lane":
-                return comm.lane_sum(per_lane)[0].float()
-            return self.gather_vocab(per_lane).float()  # vocab_parallel: this rank's lanes' slices
-        return (y @ self.head_weight.T).float()
 
     def gather_logits(self, local: Tensor, tail: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """All ranks' vocab shards [..., V_r] -> full logits [..., V] (shards are contiguous, in rank
@@ -149,75 +139,37 @@ class DTPLaneModel(LaneModel):
             return local, None
         tail = local.new_zeros(0) if tail is None else tail
         if self.full_logits:  # already whole on every rank: only the tail needs exchanging
-            parts = [torch.empty_like(tail) for _ in range(dist.get_world_size())]
+            parts = [torch.empty_like(tail) for _ in range(self.world)]
             dist.all_gather(parts, tail)
             return local, torch.stack(parts)
-        world, V = dist.get_world_size(), self.cfg.vocab_size
-        per = math.ceil(V / world)
+        V = self.cfg.vocab_size
+        per = math.ceil(V / self.world)
         padded = torch.nn.functional.pad(local, (0, per - local.shape[-1]), value=float("-inf"))
         payload = torch.cat([padded.flatten(), tail])
-        parts = [torch.empty_like(payload) for _ in range(world)]
+        parts = [torch.empty_like(payload) for _ in range(self.world)]
         dist.all_gather(parts, payload)
         table = torch.stack(parts)  # [world, numel + t]
-        shards = table[:, :padded.numel()].view(world, *padded.shape)
-        full = shards.movedim(0, -2).reshape(*padded.shape[:-1], world * per)[..., :V]
+        shards = table[:, :padded.numel()].view(self.world, *padded.shape)
+        full = shards.movedim(0, -2).reshape(*padded.shape[:-1], self.world * per)[..., :V]
         return full, table[:, padded.numel():]
 
+    def agree_stop(self, should_stop) -> bool:
+        """Between prefill chunks: rank 0 says whether the front asked to stop; every rank hears the same."""
+        wanted = self.rank == 0 and (self.stop_requested() or (should_stop is not None and bool(should_stop())))
+        flag = torch.tensor([1.0 if wanted else 0.0], device=self.device)
+        dist.all_reduce(flag)
+        self.stopped = self.stopped or bool(flag.item() > 0)
+        return self.stopped
 
-# ---- one rank -----------------------------------------------------------------------------------
-
-class RankRunner:
-    """What runs inside rank r: the model slice, and the runner protocol of `token_steps`."""
-
-    def __init__(self, path, rank: int, world: int, device, dtype, wait_now: bool, record: bool, conn):
-        cfg, src = open_checkpoint(path)
-        self.cfg = cfg = lanes_config(cfg, world)
-        self.rank, self.world, self.device, self.conn = rank, world, torch.device(device), conn
-        lanes = rank_lanes(cfg, rank, world)
-        rows = vocab_rows(cfg, rank, world)
-        sharded_head = cfg.lm_head_type == "replicate"
-        try:
-            weights = load_weights(cfg, src, lanes, dtype=dtype, device=self.device,
-                                   head_rows=rows if sharded_head else None)
-        finally:
-            src.close()
-        self.comm = DistLanes(wait_now=wait_now, record=record)
-        self.model = DTPLaneModel(cfg, weights, lanes, self.comm, rows)
-        layer_keys = [k for k in weights if k.startswith("layers.")]
-        self.layer_bytes = sum(weights[k].numel() * weights[k].element_size() for k in layer_keys)
-        self.head_bytes = weights["head"].numel() * weights["head"].element_size()
-        self.cache = None
-        self.request_id = None
-        self.cancelled = False
-
-    def info(self) -> dict:
-        return {"lanes": [self.model.lanes.start, self.model.lanes.stop], "layer_bytes": self.layer_bytes,
-                "head_bytes": self.head_bytes, "vocab_rows": [self.model.rows.start, self.model.rows.stop],
-                "pid": os.getpid()}
-
-    # -- the runner protocol of engine.generate.token_steps --
-    @torch.inference_mode()
-    def prefill(self, ids: Tensor, n: int, max_seq_len: int) -> Tensor:
-        local, self.cache = self.model.prefill(ids, n, max_seq_len)
-        return local
-
-    @torch.inference_mode()
-    def decode_step(self, tokens: Tensor, pos: int) -> Tensor:
-        t0 = time.perf_counter()
-        out = self.model.decode(tokens, pos, self.cache)
-        if self.comm.record:
-            self.comm.events.append(("step", t0, time.perf_counter()))
-        return out
-
-    @torch.inference_mode()
     def pick(self, local: Tensor, params: SamplingParams, generators) -> Tensor:
-        """The per-step gather (spec §2.5): greedy via per-shard top-1, sampling via whole logits.
-        Rank 0's stop flag rides along, so all ranks leave the loop at the same step."""
-        flag = torch.tensor([1.0 if self.rank == 0 and self._cancel_requested() else 0.0], device=local.device)
+        """The per-step gather: greedy via per-shard top-1, sampling via whole logits. Every rank
+        samples the same token with the same seeded generators. Rank 0's stop flag rides along, so
+        all ranks leave the loop at the same step."""
+        flag = torch.tensor([1.0 if self.rank == 0 and self.stop_requested() else 0.0], device=local.device)
         n = local.shape[0]
-        if params.greedy and not self.model.full_logits:
+        if params.greedy and not self.full_logits:
             best, idx = local.max(-1)
-            payload = torch.cat([best, (idx + self.model.rows.start).float(), flag])
+            payload = torch.cat([best, (idx + self.rows.start).float(), flag])
             parts = [torch.empty_like(payload) for _ in range(self.world)]
             dist.all_gather(parts, payload)
             table = torch.stack(parts)  # [world, 2n + 1]
@@ -225,10 +177,39 @@ class RankRunner:
             tokens = table[:, n:2 * n].gather(0, winner[None])[0].long()
             flags = table[:, -1]
         else:
-            logits, flags = self.model.gather_logits(local, flag)
+            logits, flags = self.gather_logits(local, flag)
             tokens = sample(logits, params, generators)
-        self.cancelled = bool(flags.sum().item() > 0)
+        self.stopped = bool(flags.sum().item() > 0)
         return tokens
+
+
+# ---- one rank -----------------------------------------------------------------------------------
+
+class Rank:
+    """What runs inside rank r: a LocalRunner over the plain LaneModel on this rank's lanes."""
+
+    def __init__(self, path, runtime: Runtime, rank: int, wait_now: bool, record: bool, conn):
+        cfg, src = open_checkpoint(path)
+        cfg = lanes_config(cfg, runtime.world_size)
+        world = runtime.world_size
+        self.rank, self.conn, self.request_id = rank, conn, None
+        lanes, rows = rank_lanes(cfg, rank, world), vocab_rows(cfg, rank, world)
+        try:
+            weights = load_weights(cfg, src, lanes, dtype=runtime.torch_dtype, device=runtime.torch_device,
+                                   head_rows=rows if cfg.lm_head_type == "replicate" else None)
+        finally:
+            src.close()
+        self.comm = DistLanes(cfg, rank, world, rows, wait_now=wait_now, record=record,
+                              stop_requested=self._cancel_requested)
+        self.comm.device = runtime.torch_device
+        self.runner = LocalRunner(LaneModel(cfg, weights, lanes, self.comm), runtime)
+        self.layer_bytes = sum(t.numel() * t.element_size() for k, t in weights.items() if k.startswith("layers."))
+        self.head_bytes = weights["head"].numel() * weights["head"].element_size()
+        self.lanes, self.rows = lanes, rows
+
+    def info(self) -> dict:
+        return {"lanes": [self.lanes.start, self.lanes.stop], "layer_bytes": self.layer_bytes,
+                "head_bytes": self.head_bytes, "vocab_rows": [self.rows.start, self.rows.stop], "pid": os.getpid()}
 
     def _cancel_requested(self) -> bool:
         while self.conn.poll():
@@ -237,21 +218,15 @@ class RankRunner:
                 return True
         return False
 
-    # -- requests --
     def logits(self, ids) -> Tensor:
-        with torch.inference_mode():
-            local = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), pos=0, cache=None)
-            return self.model.gather_logits(local)[0].cpu()
+        return self.runner.logits(torch.tensor(ids, dtype=torch.long)).cpu()
 
     def generate(self, rid, ids, params: SamplingParams, seeds, eos_ids):
-        self.request_id, self.cancelled = rid, False
+        self.request_id, self.comm.stopped = rid, False
         self.comm.events.clear()
-        try:
-            for host, t in token_steps(self, ids, params, eos_ids, seeds, should_stop=lambda: self.cancelled):
-                if self.rank == 0:
-                    self.conn.send(("tokens", rid, host, t))
-        finally:
-            self.cache = None
+        for host, t in self.runner.token_steps(ids, params, seeds, eos_ids, should_stop=lambda: self.comm.stopped):
+            if self.rank == 0:
+                self.conn.send(("tokens", rid, host, t))
         if self.rank == 0:
             self.conn.send(("done", rid, self.timeline_summary()))
 
@@ -279,38 +254,38 @@ def _die_with_parent() -> None:
         pass
 
 
-def rank_main(rank: int, world: int, address: str, port: int, device: str, timeout_s: float, threads: int) -> None:
+def rank_main(rank: int, address: str, port: int, timeout_s: float, runtime: Runtime) -> None:
     """A rank process: join the process group, then serve the front's messages until "close"."""
     _die_with_parent()
-    torch.set_num_threads(threads)
+    runtime = runtime.for_rank(rank)
+    torch.set_num_threads(runtime.threads)
     conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop("LANEPLAY_DTP_KEY")))
     conn.send(("hello", rank))
-    if device.startswith("cuda"):
-        device = f"cuda:{rank % torch.cuda.device_count()}"
-        torch.cuda.set_device(device)
-    runner = None
+    if runtime.torch_device.type == "cuda":
+        torch.cuda.set_device(runtime.torch_device)
+    here = None
     try:
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(runtime.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=runtime.world_size, timeout=timedelta(seconds=timeout_s))
         while True:
             msg = conn.recv()
             kind = msg[0]
             if kind == "close":
                 break
-            if kind == "load":  # (path, dtype name, wait_now, record)
-                runner = None
-                runner = RankRunner(msg[1], rank, world, device, getattr(torch, msg[2]), msg[3], msg[4], conn)
-                conn.send(("ready", rank, runner.info()))
+            if kind == "load":  # (path, wait_now, record)
+                here = None
+                here = Rank(msg[1], runtime, rank, msg[2], msg[3], conn)
+                conn.send(("ready", rank, here.info()))
             elif kind == "configure":
-                runner.comm.wait_now, runner.comm.record = msg[1], msg[2]
+                here.comm.wait_now, here.comm.record = msg[1], msg[2]
                 conn.send(("configured", rank))
             elif kind == "logits":
-                out = runner.logits(msg[1])
+                out = here.logits(msg[1])
                 if rank == 0:  # numpy pickles by value (torch tensors would go through fd sharing)
                     conn.send(("logits", out.numpy()))
             elif kind == "generate":
                 _, rid, ids, params, seeds, eos_ids = msg
-                runner.generate(rid, ids, SamplingParams(**params), seeds, set(eos_ids))
+                here.generate(rid, ids, SamplingParams(**params), seeds, set(eos_ids))
             # a "cancel" for a request that already ended needs nothing
     except (EOFError, KeyboardInterrupt, BrokenPipeError):
         pass  # the front went away: leave quietly
@@ -332,13 +307,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class DTPEngine(Engine):
-    """Same surface as the single-process Engine (`logits`, `generate`, `close`), lanes on N ranks."""
+class DTPRunner:
+    """The runner the engine's front end drives when the lanes live on `world_size` rank processes.
 
-    def __init__(self, world_size: int, device: torch.device, timeout_s: float):
-        super().__init__(None, None, None, device, None)
-        self.world_size, self.timeout_s = world_size, timeout_s
-        self.wait_now = self.record_timeline = False
+    Rank 0 streams each step's tokens back; the ranks run the decode loop on their own (no per-token
+    round trip through this process), so this runner's `token_steps` relays rank 0's stream and sends
+    a cancel when the consumer stops early.
+    """
+
+    def __init__(self, path, runtime: Runtime, wait_now: bool = False, timeline: bool = False,
+                 timeout_s: float = 60.0):
+        self.runtime, self.world_size, self.timeout_s = runtime, runtime.world_size, timeout_s
+        self.device = runtime.torch_device
+        self.wait_now, self.record_timeline = bool(wait_now), bool(timeline)
         self.last_timeline: dict | None = None
         self.rank_info: list[dict] = []
         self._ids = itertools.count()
@@ -348,20 +329,24 @@ class DTPEngine(Engine):
         self._sockdir = tempfile.mkdtemp(prefix="laneplay-dtp-")
         address = os.path.join(self._sockdir, "front.sock")
         listener = Listener(address, family="AF_UNIX", authkey=key)
-        threads = max(1, (os.cpu_count() or 1) // world_size)
         env = dict(os.environ, LANEPLAY_DTP_KEY=key.hex())
         try:
             port = _free_port()
-            for rank in range(world_size):
+            for rank in range(self.world_size):
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "engine.dtp", str(rank), str(world_size), address, str(port), str(device),
-                     str(timeout_s), str(threads)], env=env, stdin=subprocess.DEVNULL))
+                    [sys.executable, "-m", "laneplay.engine.dtp", str(rank), address, str(port), str(timeout_s),
+                     json.dumps(runtime.to_dict())], env=env, stdin=subprocess.DEVNULL))
             self.conns = self._accept(listener, deadline=time.monotonic() + max(120.0, timeout_s))
         except BaseException:
             self.close()
             raise
         finally:
             listener.close()
+        try:
+            self.load(path)
+        except BaseException:
+            self.close()
+            raise
 
     def _accept(self, listener: Listener, deadline: float) -> list:
         """Each rank connects back and says its rank; a rank that dies while starting is an error."""
@@ -401,13 +386,17 @@ class DTPEngine(Engine):
             except (BrokenPipeError, OSError):
                 self._fail(f"rank {rank} is gone (exit code {self.procs[rank].poll()})")
 
-    def _recv(self, any_rank: bool = False, timeout: float | None = None):
-        """The next message from rank 0 (or any rank); a dead or failing rank raises DTPError."""
+    def _recv(self, any_rank: bool = False, timeout: float | None = None, while_waiting=None):
+        """The next message from rank 0 (or any rank); a dead or failing rank raises DTPError.
+        `while_waiting()` is called every 20 ms while nothing arrives (e.g. to pass on a cancel)."""
         timeout = timeout if timeout is not None else self.timeout_s + 30
         deadline = time.monotonic() + timeout
         rank_of = {c: r for r, c in enumerate(self.conns)}
+        tick = 0.02 if while_waiting is not None else 1.0
         while True:
-            ready = wait_for(list(rank_of), timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+            ready = wait_for(list(rank_of), timeout=min(tick, max(0.0, deadline - time.monotonic())))
+            if not ready and while_waiting is not None:
+                while_waiting()
             for conn in ready:
                 r = rank_of[conn]
                 try:
@@ -448,19 +437,10 @@ class DTPEngine(Engine):
         return replies
 
     # -- loading and settings --
-    def load(self, model, dtype: torch.dtype) -> None:
+    def load(self, path) -> None:
         """(Re)load a checkpoint into the running ranks; each reads only its own lanes' slices."""
-        path = resolve_checkpoint(model)
-        cfg, src = open_checkpoint(path)
-        try:
-            cfg = lanes_config(cfg, self.world_size)
-            tokenizer = load_checkpoint_tokenizer(path, src)
-        finally:
-            src.close()
-        self._send(("load", str(path), str(dtype).removeprefix("torch."), self.wait_now, self.record_timeline))
+        self._send(("load", str(path), self.wait_now, self.record_timeline))
         self.rank_info = self._gather_replies("ready", timeout=max(300.0, self.timeout_s))
-        self.cfg, self.path, self.dtype, self._tokenizer = cfg, path, dtype, tokenizer
-        self.__dict__.pop("eos_ids", None)
 
     def configure(self, wait_now: bool | None = None, timeline: bool | None = None) -> None:
         """Switch between delayed and "wait now" collectives, and the per-rank timeline, between requests."""
@@ -469,22 +449,27 @@ class DTPEngine(Engine):
         self._send(("configure", self.wait_now, self.record_timeline))
         self._gather_replies("configured", timeout=self.timeout_s)
 
-    # -- the engine surface --
-    def _full_forward(self, ids: Tensor) -> Tensor:
+    # -- the runner surface the front end uses --
+    def logits(self, ids: Tensor) -> Tensor:
         self._send(("logits", ids.tolist()))
         return torch.from_numpy(self._recv()[1])
 
-    def _token_steps(self, ids, params, seeds, should_stop):
+    def token_steps(self, ids, params, seeds, eos_ids, should_stop=None):
         """Rank 0's (tokens, time) stream for one request; stopping early cancels it on all ranks."""
         rid = next(self._ids)
-        self._send(("generate", rid, ids, asdict(params), seeds, sorted(self.eos_ids)))
+        self._send(("generate", rid, ids, asdict(params), seeds, sorted(eos_ids)))
         cancel_sent = finished = False
+
+        def check_stop():  # also while the ranks are busy in a long prefill and nothing arrives
+            nonlocal cancel_sent
+            if should_stop is not None and not cancel_sent and should_stop():
+                self._send(("cancel", rid), ranks=[0])
+                cancel_sent = True
+
         try:
             while True:
-                if should_stop is not None and not cancel_sent and should_stop():
-                    self._send(("cancel", rid), ranks=[0])
-                    cancel_sent = True
-                msg = self._recv()
+                check_stop()
+                msg = self._recv(while_waiting=check_stop)
                 if msg[0] == "done" and msg[1] == rid:
                     self.last_timeline, finished = msg[2], True
                     return
@@ -520,26 +505,5 @@ class DTPEngine(Engine):
             self._failure = "the engine was closed"
 
 
-def load_dtp_engine(model, device, dtype, world_size: int, wait_now: bool = False, timeline: bool = False,
-                    timeout_s: float = 60.0) -> DTPEngine:
-    """Start `world_size` rank processes and load the checkpoint into them."""
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    if device.type == "cuda" and torch.cuda.device_count() < world_size:
-        raise ValueError(f"world_size {world_size} needs {world_size} GPUs, this machine has {torch.cuda.device_count()}")
-    cfg, src = open_checkpoint(resolve_checkpoint(model))  # fail on a bad checkpoint before starting ranks
-    src.close()
-    lanes_config(cfg, world_size)
-    engine = DTPEngine(world_size, device, timeout_s)
-    try:
-        engine.wait_now, engine.record_timeline = wait_now, timeline
-        engine.load(model, dtype)
-    except BaseException:
-        engine.close()
-        raise
-    return engine
-
-
-if __name__ == "__main__":  # a rank process, started by DTPEngine
-    rank_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5], float(sys.argv[6]),
-              int(sys.argv[7]))
+if __name__ == "__main__":  # a rank process, started by DTPRunner
+    rank_main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), Runtime(**json.loads(sys.argv[5])))

@@ -13,8 +13,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from engine.metrics import GenerationMetrics
-from engine.sampling import SamplingParams, make_generators, sample, sample_seeds
+from laneplay.engine.metrics import GenerationMetrics
+from laneplay.engine.sampling import SamplingParams, make_generators, sample, sample_seeds
 
 
 @dataclass
@@ -97,13 +97,18 @@ def token_steps(runner, ids: list[int], params: SamplingParams, eos_ids: set[int
                 should_stop: Callable[[], bool] | None = None) -> Iterator[tuple[list[int], float]]:
     """The token side of a request: yields (one new token per sample, time it was produced).
 
-    `runner` provides `prefill(ids [1, S], n, max_seq_len) -> X`, `decode_step(tokens [n, 1], pos) -> X`
-    and `pick(X, params, generators) -> tokens [n]` (X: logits, or per-rank shards under DTP).
-    Stops when every sample hit EOS, at max_tokens, or when `should_stop()` says so.
+    `runner` provides `prefill(ids [1, S], n, max_seq_len, should_stop) -> X | None` (None: stopped
+    between prefill chunks), `decode_step(tokens [n, 1], pos) -> X` and `pick(X, params, generators)
+    -> tokens [n]` (X: logits, or per-rank shards under DTP).
+    Stops when every sample hit EOS, at max_tokens, or when `should_stop()` says so (checked between
+    prefill chunks and after every token).
     """
     n = params.n
     generators = make_generators(seeds, runner.device)
-    x = runner.prefill(torch.tensor([ids], dtype=torch.long, device=runner.device), n, len(ids) + params.max_tokens)
+    x = runner.prefill(torch.tensor([ids], dtype=torch.long, device=runner.device), n, len(ids) + params.max_tokens,
+                       should_stop)
+    if x is None:
+        return
     done = [False] * n
     for step in range(params.max_tokens):
         tokens = runner.pick(x, params, generators)  # [n], on device

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from engine.checkpoint import DEFAULT_MODEL
+from laneplay.engine.checkpoint import DEFAULT_MODEL
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,11 +22,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--world-size", type=int, default=1)
-    p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly")
+    p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly (default: compiled on CPU at world size 1)")
 
 
 def run(args) -> int:
-    from engine import SamplingParams, load_engine
+    from laneplay.engine import SamplingParams, load_engine
 
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -34,7 +34,7 @@ def run(args) -> int:
     try:
         params.validate()
         eng = load_engine(args.model, device=args.device, dtype=args.dtype, world_size=args.world_size,
-                          compile=not args.no_compile)
+                          compile=False if args.no_compile else "auto")
     except (ValueError, OSError) as e:
         print(f"laneplay generate: {e}", file=sys.stderr)
         return 2

@@ -17,7 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.config import NO_REDUCE, PRESENT, ModelConfig
+from laneplay.engine.config import NO_REDUCE, PRESENT, ModelConfig
+from laneplay.engine.sampling import SamplingParams, sample
+
+PREFILL_CHUNK = 512  # prompt tokens per prefill step (default; the runtime record sets it)
 
 
 # ---- RoPE (spec §1.10) -----------------------------------------------------------------------
@@ -116,7 +119,8 @@ class LocalLanes:
     """Cross-lane communication when all lanes live in this process: sums are local reductions.
 
     `start_lane_sum` / `wait` are the issue and wait points of the delayed reduce; the DTP runtime
-    replaces them with asynchronous collectives.
+    replaces them with asynchronous collectives (`engine.dtp.DistLanes`), and with a gather of the
+    ranks' vocab shards in `gather_logits` / `pick`.
     """
 
     def lane_sum(self, x: Tensor) -> Tensor:  # [L, ...] -> [1, ...], blocking
@@ -131,6 +135,20 @@ class LocalLanes:
     def ready(self, total: Tensor):
         """A handle for a sum that is already complete."""
         return total
+
+    def gather_logits(self, logits: Tensor) -> tuple[Tensor, None]:
+        """The head's output is already the whole vocabulary here."""
+        return logits, None
+
+    def pick(self, logits: Tensor, params: SamplingParams, generators) -> Tensor:
+        return sample(logits, params, generators)
+
+    def note_step(self, start: float, end: float) -> None:
+        """A decode step's span (the DTP runtime records them for its timeline)."""
+
+    def agree_stop(self, should_stop) -> bool:
+        """Between prefill chunks: stop now? (Under DTP every rank must give the same answer.)"""
+        return should_stop is not None and bool(should_stop())
 
 
 # ---- KV cache --------------------------------------------------------------------------------
@@ -161,6 +179,19 @@ class KVCache:
         out.k = [t.repeat_interleave(n, dim=0) for t in self.k]  # lane-major: [L*1] -> [L*n]
         out.v = [t.repeat_interleave(n, dim=0) for t in self.v]
         return out
+
+
+def kv_cache_bytes(cfg: ModelConfig, n_lanes: int, batch: int, max_seq_len: int, element_size: int) -> int:
+    """What `KVCache(cfg, n_lanes, batch, max_seq_len, ...)` allocates, without allocating it."""
+    per_slot = 2 * n_lanes * batch * cfg.kv_heads_per_lane * cfg.head_dim * element_size  # K and V
+    return sum(per_slot * (min(cfg.window(i), max_seq_len) if cfg.window(i) else max_seq_len)
+               for i in range(cfg.num_layers))
+
+
+def request_kv_bytes(cfg: ModelConfig, n: int, max_seq_len: int, element_size: int) -> int:
+    """KV memory one request reserves, all lanes: the batch-1 prefill cache, plus its n-sample copy."""
+    one = kv_cache_bytes(cfg, cfg.num_lanes, 1, max_seq_len, element_size)
+    return one * (1 + n) if n > 1 else one
 
 
 def _slot_positions(length: int, slots: int, device) -> Tensor:
@@ -230,12 +261,15 @@ class LaneModel(nn.Module):
         L, B, S, _ = x.shape
         q, k, v = project_qkv(x, w.wqkv, self.cos[pos:pos + S], self.sin[pos:pos + S], cfg)
         window = cfg.window(i)
-        if cache is None:
+        if cache is not None:
+            k, v, mask = self._prefill_cache(i, k, v, pos, cache, window)
+        elif pos == 0 and (not window or S <= window):
+            mask = None  # plain causal: the fused kernel, no S x S mask
+        else:
             positions = torch.arange(pos, pos + S, device=x.device)
             mask = _attention_mask(positions, positions, window)
-        else:
-            k, v, mask = self._prefill_cache(i, k, v, pos, cache, window)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=q.shape[1] != k.shape[1])
         o = o.transpose(1, 2).reshape(L, B, S, -1)  # lane l gets its own heads back
         return lane_linear(o, w.wo)  # [L, B, S, D]: each lane's partial sum
 
@@ -255,6 +289,8 @@ class LaneModel(nn.Module):
         idx = keep % slots if window else keep
         kc.index_copy_(2, idx, k[:, :, -len(keep):])
         vc.index_copy_(2, idx, v[:, :, -len(keep):])
+        if pos == 0 and (not window or S <= window):
+            return k_all, v_all, None  # plain causal over the chunk itself: the fused kernel
         return k_all, v_all, _attention_mask(q_pos, k_pos, window)
 
     # -- the only cross-lane step (spec §1.6) ---------------------------------------------------
@@ -344,11 +380,23 @@ class LaneModel(nn.Module):
             h = h[:, :, -1:]
         return self.head(h)
 
-    def prefill(self, ids: Tensor, n: int, max_seq_len: int) -> tuple[Tensor, KVCache]:
+    def prefill(self, ids: Tensor, n: int, max_seq_len: int, should_stop=None,
+                chunk: int = PREFILL_CHUNK) -> tuple[Tensor | None, KVCache | None]:
         """A prompt [1, S] at batch 1 into a fresh cache, then copied for n samples:
-        (last-position logits [n, V] (a rank's shard under DTP), the n-sample cache)."""
+        (last-position logits [n, V] (a rank's shard under DTP), the n-sample cache).
+
+        The prompt goes through in chunks of `chunk` tokens, each attending to the cache and to itself,
+        so no step holds more than chunk x S attention scores. Between chunks the request may be
+        stopped (`should_stop()`, agreed across ranks by `comm`): then (None, None).
+        """
         cache = self.new_cache(1, max_seq_len)
-        logits = self(ids, pos=0, cache=cache, last_only=True)[:, -1]
+        S = ids.shape[1]
+        h = None
+        for a in range(0, S, chunk):
+            if a > 0 and self.comm.agree_stop(should_stop):
+                return None, None
+            h = self.hidden_states(ids[:, a:a + chunk], pos=a, cache=cache)
+        logits = self.head(h[:, :, -1:])[:, -1]
         return logits.expand(n, -1), (cache.expand_batch(n) if n > 1 else cache)
 
     def new_cache(self, batch: int, max_seq_len: int | None = None) -> KVCache:

@@ -16,6 +16,9 @@ MAX_N = 16
 MAX_STOP_STRINGS = 8
 MAX_STOP_LENGTH = 256
 MAX_SEED = 2**63 - 1
+# Temperatures below this are greedy: dividing by them would overflow float32 (1e-38 is inf), and the
+# distribution they describe is already the argmax to within float precision.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -61,7 +64,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 def sample_seeds(params: SamplingParams) -> list[int]:
@@ -75,8 +78,19 @@ def make_generators(seeds: list[int], device) -> list[torch.Generator]:
 
 
 def process_logits(logits: Tensor, params: SamplingParams) -> Tensor:
-    """Temperature, then top-k, top-p and min-p as -inf masks. logits [B, V] float32."""
-    logits = logits / params.temperature
+    """Temperature, then top-k, top-p and min-p as -inf masks. logits [B, V] float32.
+
+    Every row keeps at least its largest logit finite, so the softmax of the result is a distribution
+    for any accepted parameters and any logits (huge, -inf, ties; NaN counts as -inf, +inf as the
+    largest finite float): the row's maximum is subtracted before dividing by the temperature.
+    """
+    big = torch.finfo(logits.dtype).max
+    logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=big, neginf=float("-inf"))
+    top = logits.max(-1, keepdim=True).values
+    dead = ~torch.isfinite(top)  # a row of only -inf: every token equally likely
+    logits = torch.where(dead, torch.zeros_like(logits), logits)
+    top = torch.where(dead, torch.zeros_like(top), top)
+    logits = (logits - top) / params.temperature  # <= 0, and 0 at the maximum: nothing overflows upwards
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -85,6 +99,7 @@ def process_logits(logits: Tensor, params: SamplingParams) -> Tensor:
         probs = sorted_logits.softmax(-1)
         # Drop a token when the tokens ranked above it already hold top_p of the mass (keep >= 1).
         drop_sorted = (probs.cumsum(-1) - probs) >= params.top_p
+        drop_sorted[..., 0] = False  # the most likely token always stays (top_p may round to 0 in float32)
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     if params.min_p > 0:

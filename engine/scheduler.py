@@ -20,8 +20,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-from engine.metrics import GenerationMetrics
-from engine.sampling import SamplingParams
+from laneplay.engine.metrics import GenerationMetrics
+from laneplay.engine.sampling import SamplingParams
 
 log = logging.getLogger("laneplay.engine")
 
@@ -30,6 +30,9 @@ _DONE = object()  # end of a job's event stream
 
 class QueueFull(Exception):
     pass
+
+
+STARTED = object()  # pushed into a job's stream when the worker starts it (it was queued until then)
 
 
 @dataclass(eq=False)
@@ -60,7 +63,8 @@ class Job:
             self.cancelled = True
 
     async def stream(self) -> AsyncIterator:
-        """The job's GenerationEvents, as the worker produces them; re-raises an engine error."""
+        """The job's GenerationEvents, as the worker produces them (and STARTED when the engine takes
+        the job); re-raises an engine error."""
         while (item := await self.events.get()) is not _DONE:
             if isinstance(item, BaseException):
                 raise item
@@ -157,8 +161,17 @@ class Scheduler:
                     except Exception:  # metrics must never take the worker down
                         log.exception("on_finish failed")
 
+    def position(self, job: Job) -> int | None:
+        """1 for the next job to run, 2 after it, ...; None when the job is not waiting."""
+        with self._cond:
+            try:
+                return self._waiting.index(job) + 1
+            except ValueError:
+                return None
+
     def _run(self, job: Job) -> None:
         job.t_start, job.start_seq = time.perf_counter(), next(self._starts)
+        job.push(STARTED)
         deadline = job.t_start + self.request_timeout_s
 
         def should_stop() -> bool:

@@ -31,8 +31,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.sampling import SamplingParams
-from engine.scheduler import Job, QueueFull, Scheduler
+from laneplay.engine.sampling import SamplingParams
+from laneplay.engine.scheduler import STARTED, Job, QueueFull, Scheduler
 
 DEFAULT_MAX_TOKENS = 256  # when the request names none (capped by what the context has left)
 MAX_BODY_BYTES = 4 << 20
@@ -235,10 +235,19 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-async def stream_reply(reply: Reply, n: int, include_usage: bool):
+async def stream_reply(reply: Reply, n: int, include_usage: bool, scheduler: Scheduler | None = None):
+    """SSE chunks of one streamed request. Before the first chunk, SSE comments (which OpenAI clients
+    skip) say where the request is: `: laneplay queued <position>` while it waits for the engine, then
+    `: laneplay running` when the engine takes it."""
     started, finished, error = set(), 0, None
+    position = scheduler.position(reply.job) if scheduler is not None else None
+    if position is not None:
+        yield f": laneplay queued {position}\n\n"
     try:
         async for ev in reply.job.stream():
+            if ev is STARTED:
+                yield ": laneplay running\n\n"
+                continue
             reason = _api_reason(ev.finish_reason)
             chunk = reply.chunk(ev.sample_index, ev.text, reason, first=ev.sample_index not in started)
             started.add(ev.sample_index)
@@ -291,6 +300,8 @@ async def collect_reply(reply: Reply, n: int, request: Request, scheduler: Sched
     texts, reasons = [[] for _ in range(n)], [None] * n
     try:
         async for ev in reply.job.stream():
+            if ev is STARTED:
+                continue
             texts[ev.sample_index].append(ev.text)
             reasons[ev.sample_index] = _api_reason(ev.finish_reason)
     except Exception as e:
@@ -457,7 +468,7 @@ def create_app(engine, *, api_key: str | None = None, max_queue: int = 32, reque
                            headers={"Retry-After": retry}) from None
         reply = Reply(chat, served, job, engine)
         if req.stream:
-            return JobStream(stream_reply(reply, params.n, req.include_usage), scheduler, job)
+            return JobStream(stream_reply(reply, params.n, req.include_usage, scheduler), scheduler, job)
         return JSONResponse(await collect_reply(reply, params.n, request, scheduler))
 
     @app.post("/v1/completions")

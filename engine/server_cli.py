@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from engine.checkpoint import DEFAULT_MODEL
+from laneplay.engine.checkpoint import DEFAULT_MODEL
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -24,13 +24,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=32, help="requests waiting beyond this get 429")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request may generate before it ends with finish_reason 'length'")
-    p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly")
+    p.add_argument("--kv-budget-gb", type=float, default=None,
+                   help="the most KV cache one request may reserve, in GiB; larger requests get a 400 "
+                        "(default: a fifth of RAM on CPU, 40%% of the GPU on CUDA)")
+    p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly (default: compiled on CPU at world size 1)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def run(args) -> int:
-    from engine import SamplingParams, load_engine
-    from engine.server import create_app, serve
+    from laneplay.engine import SamplingParams, load_engine
+    from laneplay.engine.server import create_app, serve
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("laneplay.engine")
@@ -40,15 +43,20 @@ def run(args) -> int:
         return 2
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("listening on %s without an API key: anyone who can reach it can use the engine", args.host)
+    def stage(name: str) -> None:  # one line per stage on stderr: `laneplay serve` shows them
+        print(f"laneplay-engine-stage: {name}", file=sys.stderr, flush=True)
+
     try:
         eng = load_engine(args.model, device=args.device, dtype=args.dtype, world_size=args.world_size,
-                          compile=False if args.no_compile else "auto")
+                          compile=False if args.no_compile else "auto", kv_budget_gb=args.kv_budget_gb,
+                          progress=stage)
     except (ValueError, OSError) as e:
         print(f"laneplay engine: {e}", file=sys.stderr)
         return 2
     app = None
     try:
         # One tiny request first, so the first client does not pay for lazy initialisation.
+        stage("warming up")
         for _ in eng.generate("Hello", SamplingParams(max_tokens=2, temperature=0.0)):
             pass
         name = args.served_model_name or (None if Path(args.model).expanduser().exists() else args.model)

@@ -53,7 +53,7 @@ import tokenizers
 from sentencepiece import sentencepiece_model_pb2 as sp_pb2
 from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
 
-from engine.chat_template import FALLBACK_TEMPLATE, render_chat
+from laneplay.engine.chat_template import FALLBACK_TEMPLATE, render_chat
 
 # Undecodable bytes become one U+FFFD each (like the ByteFallback decoder), and decoding stays
 # prefix-stable: bytes that decode cleanly never change meaning when more bytes follow.

@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from evals.passk import KS, OUTCOMES
+from laneplay.evals.passk import KS, OUTCOMES
 
 PROBLEM_SET_CHARS = 64  # storage.limits.MAX_PROBLEM_SET_CHARS
 
@@ -56,8 +56,8 @@ def _fail(message: str, code: int = 2) -> int:
 
 
 def _config(args):
-    from evals.runner import EvalConfig
-    from evals.sandbox import MAX_TIMEOUT_S
+    from laneplay.evals.runner import EvalConfig
+    from laneplay.evals.sandbox import MAX_TIMEOUT_S
 
     config = EvalConfig(mode=args.mode, n_samples=args.n, temperature=args.temperature, greedy=args.greedy,
                         seed=args.seed, max_tokens=args.max_tokens, timeout_s=args.timeout_s,
@@ -177,11 +177,11 @@ def _problem_set_name(spec: str) -> str:
 
 
 def _load_model(args):
-    from evals.engine_generate import LocalGenerate, RemoteGenerate
+    from laneplay.evals.engine_generate import LocalGenerate, RemoteGenerate
 
     if args.engine_url:
         return RemoteGenerate(args.engine_url, model=args.model, top_p=args.top_p)
-    from engine import DEFAULT_MODEL, load_engine
+    from laneplay.engine import DEFAULT_MODEL, load_engine
 
     print(f"loading {args.model or DEFAULT_MODEL} on {args.device}"
           f"{' (compile on)' if args.compile else ''} ...", file=sys.stderr, flush=True)
@@ -191,12 +191,12 @@ def _load_model(args):
 
 
 def run(args) -> int:
-    from evals.problems import ProblemError, select
-    from evals.runner import run_eval, worker_count
-    from evals.sandbox import SandboxUnavailable, require_sandbox
+    from laneplay.evals.problems import ProblemError, select
+    from laneplay.evals.runner import run_eval, worker_count
+    from laneplay.evals.sandbox import SandboxUnavailable, require_sandbox
     from sqlalchemy.engine import make_url
 
-    from storage import Store, ValidationError
+    from laneplay.storage import Store, ValidationError
 
     try:
         config = _config(args)
@@ -220,10 +220,9 @@ def run(args) -> int:
             return _fail(f"could not load the model: {e}")
         model_name = getattr(model, "model", None) or args.model or args.engine_url
         try:
-            # Storage needs n >= 1: a greedy-only run is stored as n=1 with no sampled results.
-            comparison_id = store.create_comparison(
+            comparison_id = store.create_comparison(  # n = 0: a greedy-only run
                 problem_set=_problem_set_name(args.problems), problem_ids=[p.task_id for p in problems],
-                n=max(config.n_samples, 1), temperature=config.temperature, greedy=config.greedy,
+                n=config.n_samples, temperature=config.temperature, greedy=config.greedy,
                 model=model_name[:200])
         except ValidationError as e:
             return _fail(f"cannot store this run: {e}")

@@ -10,7 +10,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from evals.prompting import STOP_SEQUENCES
+from laneplay.evals.prompting import STOP_SEQUENCES
 
 REMOTE_STOP_LIMIT = 4  # OpenAI-compatible servers commonly accept at most 4 stop strings
 
@@ -50,7 +50,7 @@ class LocalGenerate:
         self.device = str(engine.device)
 
     def __call__(self, prompt, n: int, temperature: float, seed: int | None, max_tokens: int) -> list[str]:
-        from engine import SamplingParams
+        from laneplay.engine import SamplingParams
 
         # Base mode stops at the end of the function body: the extraction would cut there anyway.
         stop = [] if _is_chat(prompt) else list(STOP_SEQUENCES)

@@ -4,9 +4,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from evals.passk import OUTCOMES  # noqa: F401  (re-exported: the statuses of SampleOutcome)
-from evals.problems import Problem
-from evals.sandbox import run_python
+from laneplay.evals.passk import OUTCOMES  # noqa: F401  (re-exported: the statuses of SampleOutcome)
+from laneplay.evals.problems import Problem
+from laneplay.evals.sandbox import run_python
 
 ERROR_EXCERPT_CHARS = 2000
 DEFAULT_TIMEOUT_S = 10.0

@@ -15,7 +15,7 @@ import ast
 import re
 from dataclasses import dataclass, field
 
-from evals.problems import Problem
+from laneplay.evals.problems import Problem
 
 # Cut points for base-mode completions; also useful as the engine's `stop` list.
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#", "\n@", "\nassert ", "\n```")

@@ -12,11 +12,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Protocol
 
-from evals.execution import DEFAULT_MEMORY_MB, DEFAULT_TIMEOUT_S, check
-from evals.passk import KS, count_statuses, mean_pass_at_ks, pass_at_ks
-from evals.problems import Problem
-from evals.prompting import chat_messages, completion_prompt, extract_code, extract_completion
-from evals.sandbox import require_sandbox
+from laneplay.evals.execution import DEFAULT_MEMORY_MB, DEFAULT_TIMEOUT_S, check
+from laneplay.evals.passk import KS, count_statuses, mean_pass_at_ks, pass_at_ks
+from laneplay.evals.problems import Problem
+from laneplay.evals.prompting import chat_messages, completion_prompt, extract_code, extract_completion
+from laneplay.evals.sandbox import require_sandbox
 
 MAX_SAMPLES = 16
 

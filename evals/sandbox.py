@@ -9,6 +9,13 @@ What the sandbox gives the program:
 The parent enforces a wall-clock deadline, kills the whole process group (the PID namespace dies with
 bwrap), and keeps at most OUTPUT_CAP bytes of each stream while still draining the rest.
 
+`memory_mb` bounds the whole run, every process of it together, not each process: RLIMIT_AS is per
+process, so a program that forks would multiply it. The parent therefore also watches the run: every
+MEMORY_POLL_S it sums the proportional resident memory (PSS, so pages shared between forked processes
+count once) of all the run's processes, and past `memory_mb` it kills all of them and reports
+"memory". (A cgroup v2 memory.max would do this in the kernel, but needs a writable, delegated cgroup
+tree, which these machines do not have; the watcher holds everywhere.)
+
 Two ways to reach uid 65534, because RLIMIT_NPROC is counted per (user namespace, host uid) and the
 host's root is exempt from it:
 - not root: bwrap maps 65534 in a new user namespace onto our uid (the usual, unprivileged mode);
@@ -39,7 +46,8 @@ UNSAFE_ENV = "LANEPLAY_UNSAFE_NO_SANDBOX"
 SANDBOX_UID = 65534  # "nobody"
 OUTPUT_CAP = 64 * 1024  # bytes kept per stream (head and tail halves)
 TMPFS_BYTES = 64 * 1024 * 1024  # /tmp lives in host RAM, so it is capped too
-MAX_PROCESSES = 32
+MAX_PROCESSES = 16  # processes (threads count too) of one run, the whole run together
+MEMORY_POLL_S = 0.01  # how often the parent sums the run's memory
 MAX_FILE_BYTES = 16 * 1024 * 1024
 MAX_OPEN_FILES = 64
 MAX_CODE_BYTES = 8 * 1024 * 1024
@@ -60,6 +68,7 @@ class Result:
     exit_code: int | None  # the program's exit code; -N when a signal N ended it
     seconds: float  # wall time from spawn to exit (sandbox start-up included)
     truncated: bool = False  # some output was dropped (see OUTPUT_CAP)
+    peak_memory_mb: float = 0.0  # the most the run's processes held together, as the watcher saw it
 
 
 # The sandboxed process itself (`python -I -S -c _BOOTSTRAP`): reads the code from an inherited fd,
@@ -245,6 +254,88 @@ class _Capped:
         return (bytes(self.head) + mid + bytes(self.tail)).decode("utf-8", "replace")
 
 
+def _children(pid: int) -> list[int]:
+    """Direct children of a process (all its threads'), from /proc/<pid>/task/*/children."""
+    out: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                out.extend(int(c) for c in f.read().split())
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+def _session_members(session: int) -> list[int]:
+    """Every process whose session is `session` (a full /proc scan)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat[stat.rfind(b")") + 2:].split()[3]) == session:  # after "pid (comm) ": state ppid pgrp session
+                out.append(int(name))
+    return out
+
+
+def _descendants(root: int, sandboxed: bool = True) -> list[int]:
+    """`root` and every process below it: the run's processes. In the sandbox, the PID namespace keeps
+    orphans below its init (a descendant of root); without it, the run's session is scanned as well."""
+    todo = [root] + ([] if sandboxed else _session_members(root))
+    seen: set[int] = set()
+    out = []
+    while todo:
+        pid = todo.pop()
+        if pid not in seen:
+            seen.add(pid)
+            out.append(pid)
+            todo.extend(_children(pid))
+    return out
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _memory_bytes(pid: int) -> int:
+    """Proportional set size of one process (shared pages split between their users); RSS if no PSS."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+            for line in f:
+                if line.startswith(b"Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        with open(f"/proc/{pid}/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _kill_all(root: int, sandboxed: bool) -> None:
+    """SIGKILL the run: its process group, and every process below its root (whatever group it moved to)."""
+    for _ in range(3):  # a process may fork while we kill: repeat until nothing is left
+        pids = _descendants(root, sandboxed)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        try:
+            os.killpg(root, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if len(pids) <= 1:
+            break
+
+
 def _execute(prefix_argv: list[str], code: str, timeout_s: float, memory_mb: int,
              drop: bool, cwd: str | None = None) -> Result:
     codefd = os.memfd_create("laneplay-code")  # close-on-exec; passed to the child explicitly
@@ -263,16 +354,27 @@ def _execute(prefix_argv: list[str], code: str, timeout_s: float, memory_mb: int
 
     out, err = _Capped(OUTPUT_CAP), _Capped(OUTPUT_CAP)
     deadline = start + timeout_s
-    timed_out = False
+    timed_out = over_memory = False
+    bound, peak = memory_mb << 20, 0
+    next_check = start
     with selectors.DefaultSelector() as sel:
         sel.register(proc.stdout, selectors.EVENT_READ, out)
         sel.register(proc.stderr, selectors.EVENT_READ, err)
         while sel.get_map():
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
             if left <= 0:
                 timed_out = proc.poll() is None
                 break
-            for key, _ in sel.select(min(left, 0.1)):
+            if now >= next_check and proc.poll() is None:  # the whole run's memory, all processes together
+                used = sum(_memory_bytes(pid) for pid in _descendants(proc.pid, drop))
+                peak = max(peak, used)
+                next_check = now + MEMORY_POLL_S
+                if used > bound:
+                    over_memory = True
+                    _kill_all(proc.pid, drop)
+                    break
+            for key, _ in sel.select(max(0.0, min(left, next_check - time.monotonic(), 0.1))):
                 data = os.read(key.fd, 1 << 16)
                 if data:
                     key.data.add(data)
@@ -280,11 +382,8 @@ def _execute(prefix_argv: list[str], code: str, timeout_s: float, memory_mb: int
                     sel.unregister(key.fileobj)
             if proc.poll() is not None:  # exited: whatever still holds the pipes gets a short grace
                 deadline = min(deadline, time.monotonic() + 0.5)
-    # Kill what is left of the group while the (possibly zombie) leader still reserves its pgid.
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    # Kill what is left of the run while the (possibly zombie) leader still reserves its pgid.
+    _kill_all(proc.pid, drop)
     proc.wait()
     seconds = time.monotonic() - start
     proc.stdout.close()
@@ -298,7 +397,10 @@ def _execute(prefix_argv: list[str], code: str, timeout_s: float, memory_mb: int
     out_of_memory = last.startswith("MemoryError") or (
         sig in (signal.SIGSEGV, signal.SIGABRT, signal.SIGBUS)
         and any(s in stderr for s in ("MemoryError", "Cannot allocate memory", "out of memory")))
-    if timed_out or sig == signal.SIGXCPU:
+    if over_memory:
+        status = "memory"
+        stderr += f"\n[laneplay sandbox: the run's processes together went past {memory_mb} MB and were killed]\n"
+    elif timed_out or sig == signal.SIGXCPU:
         status = "timeout"
     elif out_of_memory:
         status = "memory"
@@ -307,4 +409,4 @@ def _execute(prefix_argv: list[str], code: str, timeout_s: float, memory_mb: int
     else:
         status = "ok" if rc == 0 else "error"
     return Result(status, out.text(), stderr, -sig if sig else rc, seconds,
-                  truncated=bool(out.dropped or err.dropped))
+                  truncated=bool(out.dropped or err.dropped), peak_memory_mb=round(peak / 2**20, 1))

@@ -14,12 +14,12 @@ import sys
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("app.cli", "web app + engine on 127.0.0.1:7860 (engine started locally unless --engine-url)"),
-    "engine": ("engine.server_cli", "engine HTTP server only (OpenAI-compatible API)"),
-    "generate": ("engine.generate_cli", "one prompt -> stdout, then a line with TTFT and tokens/s"),
-    "eval": ("evals.cli", "pass@N over a problem set, results to SQLite + JSON"),
-    "bench": ("bench.cli", "the benchmarks (printed tables + JSON in bench/results/)"),
-    "db": ("storage.cli", "database maintenance (`laneplay db upgrade`)"),
+    "serve": ("laneplay.app.cli", "web app + engine on 127.0.0.1:7860 (engine started locally unless --engine-url)"),
+    "engine": ("laneplay.engine.server_cli", "engine HTTP server only (OpenAI-compatible API)"),
+    "generate": ("laneplay.engine.generate_cli", "one prompt -> stdout, then a line with TTFT and tokens/s"),
+    "eval": ("laneplay.evals.cli", "pass@N over a problem set, results to SQLite + JSON"),
+    "bench": ("laneplay.bench.cli", "the benchmarks (printed tables + JSON in bench/results/)"),
+    "db": ("laneplay.storage.cli", "database maintenance (`laneplay db upgrade`)"),
 }
 
 

@@ -1,15 +1,19 @@
 """Laneplay storage: sessions, generations, pass@N results and share links (SQLAlchemy 2, SQLite by
 default, any SQLAlchemy URL works). Independent of the engine; `app` and `evals` use it.
 
-    from storage import Store, ValidationError, NotFound
+    from laneplay.storage import Store, ValidationError, NotFound
     db = Store(url=None)          # url, else $LANEPLAY_DATABASE_URL, else $LANEPLAY_DATA_DIR/laneplay.db
                                   # (default ./data); migrates to the newest schema on open
     sid = db.create_session(*, title="", model="", device="", world_size=1, columns=1,
-                            code="", instruction="", params=None) -> str
-    db.get_session(sid) -> dict | None          # with "generations" and "comparisons" (full)
+                            code="", instruction="", params=None, owner=None) -> str
+        # owner: a browser's random owner id (>= 22 chars); only its SHA-256 is stored
+    db.get_session(sid, owner=None) -> dict | None   # with "generations" and "comparisons" (full);
+                                                 # with owner: None unless that owner owns it
+    db.owns(sid, owner) -> bool
     db.update_session(sid, **fields) -> None     # any of title, model, device, world_size, columns,
                                                  # code, instruction, params
-    db.list_sessions(limit=50) -> list[dict]     # summaries, most recently updated first
+    db.list_sessions(limit=50, owner=None) -> list[dict]  # summaries (+ best_tokens_per_second,
+                                                 # generations, share_links), newest first; one owner's
     db.delete_session(sid) -> bool               # cascades, share links included
     db.add_generations(sid, records) -> int      # one batch of <= 16 samples; returns its batch number.
         # record: mapping or object with sample_index, text, [seed, temperature, finish_reason] and the
@@ -25,7 +29,9 @@ default, any SQLAlchemy URL works). Independent of the engine; `app` and `evals`
     token, owner_secret = db.share_session(sid)  # freezes the session now
     db.get_shared(token) -> dict | None          # the snapshot; None if unknown or revoked (same answer)
     db.revoke_share(token, owner_secret) -> bool
-    db.fork_shared(token) -> str | None          # a new session id with a copy of the snapshot
+    db.fork_shared(token, owner=None) -> str | None  # a new session id with a copy of the snapshot
+    db.list_shares(sid) -> list[dict]            # [{"link", "created_at"}] of the session's live links
+    db.revoke_link(sid, link) -> bool            # revoke by that key (the app checks ownership first)
     db.close()
 
     storage.upgrade(url=None, revision="head") -> str   # also `laneplay db upgrade [--url URL]`
@@ -44,15 +50,15 @@ import importlib
 
 # Exports are resolved on first use: `laneplay --help` imports storage.cli and must stay fast.
 _EXPORTS = {
-    "Store": "storage.store",
-    "ValidationError": "storage.validate",
-    "NotFound": "storage.validate",
-    "upgrade": "storage.db",
-    "downgrade": "storage.db",
-    "current": "storage.db",
-    "head": "storage.db",
-    "database_url": "storage.db",
-    "make_engine": "storage.db",
+    "Store": "laneplay.storage.store",
+    "ValidationError": "laneplay.storage.validate",
+    "NotFound": "laneplay.storage.validate",
+    "upgrade": "laneplay.storage.db",
+    "downgrade": "laneplay.storage.db",
+    "current": "laneplay.storage.db",
+    "head": "laneplay.storage.db",
+    "database_url": "laneplay.storage.db",
+    "make_engine": "laneplay.storage.db",
 }
 __all__ = list(_EXPORTS)
 

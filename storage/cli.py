@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from sqlalchemy.engine import make_url
 
-    from storage import db
+    from laneplay.storage import db
 
     where = make_url(db.database_url(args.url)).render_as_string(hide_password=True)
     if args.db_command == "upgrade":

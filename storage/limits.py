@@ -45,3 +45,7 @@ OWNER_SECRET_BYTES = 32
 MAX_TOKEN_CHARS = 128                # longer strings are not tokens: answered "not found" without a query
 MAX_SHARES_PER_SESSION = 32
 MAX_SNAPSHOT_BYTES = 16 * 1024 * 1024
+MAX_SHARED_BYTES_PER_SESSION = 48 * 1024 * 1024  # all of a session's snapshots together (characters)
+MAX_SHARED_BYTES_PER_OWNER = 256 * 1024 * 1024   # all snapshots of one owner's sessions together
+MIN_OWNER_CHARS = 22                 # an owner id is a random token (>= 128 bits) the app issues
+MAX_OWNER_CHARS = 128

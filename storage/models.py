@@ -15,7 +15,7 @@ from sqlalchemy import (JSON, BigInteger, CheckConstraint, DateTime, Float, Fore
                         MetaData, String, Text, UniqueConstraint)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-from storage import limits
+from laneplay.storage import limits
 
 # Named constraints, so migrations and the ORM agree on names on every database.
 NAMING = {
@@ -66,6 +66,7 @@ class PlaySession(Base):
     code: Mapped[str] = mapped_column(Text)
     instruction: Mapped[str] = mapped_column(Text)
     params: Mapped[dict[str, Any]] = mapped_column(JSON)  # SamplingParams fields
+    owner_hash: Mapped[str | None] = mapped_column(String(64), index=True)  # SHA-256 of the owner id; None: nobody's
 
     generations: Mapped[list[Generation]] = relationship(
         back_populates="session", cascade="all, delete-orphan", passive_deletes=True,

@@ -14,9 +14,9 @@ import json
 import secrets
 from typing import Any
 
-from storage import limits
-from storage.models import iso, utcnow
-from storage.validate import ValidationError
+from laneplay.storage import limits
+from laneplay.storage.models import iso, utcnow
+from laneplay.storage.validate import ValidationError
 
 SNAPSHOT_VERSION = 1
 _URLSAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")

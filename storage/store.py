@@ -14,13 +14,14 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
-from storage import limits, share
-from storage import validate as v
-from storage.db import WRITE, database_url, make_engine, upgrade_engine
-from storage.models import (STATUSES, Comparison, Generation, PassK, PlaySession, SampleResult, ShareLink,
-                            is_id, new_id, utcnow)
-from storage.validate import NotFound, ValidationError
+from laneplay.storage import limits, share
+from laneplay.storage import validate as v
+from laneplay.storage.db import WRITE, database_url, make_engine, upgrade_engine
+from laneplay.storage.models import (STATUSES, Comparison, Generation, PassK, PlaySession, SampleResult, ShareLink,
+                            is_id, iso, new_id, utcnow)
+from laneplay.storage.validate import NotFound, ValidationError
 
+LINK_KEY_CHARS = 24  # a share link's key in list_shares / revoke_link: a prefix of its token's SHA-256
 SESSION_FIELDS = ("title", "model", "device", "world_size", "columns", "code", "instruction", "params")
 
 
@@ -39,6 +40,12 @@ def _session_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
         "params": lambda x: v.sampling_params("params", x),
     }
     return {k: checks[k](x) for k, x in fields.items()}
+
+
+def _owner_hash(owner: Any) -> str:
+    """The stored form of an owner id (the random id a browser keeps in its cookie): its SHA-256."""
+    owner = v.text("owner", owner, "MAX_OWNER_CHARS", min_chars=limits.MIN_OWNER_CHARS)
+    return share.digest(owner)
 
 
 def _generation(i: int, rec: Any) -> dict[str, Any]:
@@ -77,10 +84,13 @@ def _comparison_fields(problem_set: Any, problem_ids: Any, n: Any, temperature: 
     if tests is not None:
         tests = [v.text(f"tests[{i}]", t, "MAX_TEST_CHARS")
                  for i, t in enumerate(v.items("tests", tests, "MAX_TESTS", min_items=1))]
+    n, greedy = v.integer("n", n, 0, "MAX_SAMPLES"), v.boolean("greedy", greedy)
+    if n == 0 and not greedy:
+        raise ValidationError("n: a run needs samples (n >= 1) or a greedy baseline (n = 0 is greedy only)")
     return {"problem_set": v.text("problem_set", problem_set, "MAX_PROBLEM_SET_CHARS", min_chars=1),
-            "problem_ids": ids, "n": v.integer("n", n, 1, "MAX_SAMPLES"),
+            "problem_ids": ids, "n": n,
             "temperature": v.number("temperature", temperature, 0.0, "MAX_TEMPERATURE"),
-            "greedy": v.boolean("greedy", greedy), "model": v.text("model", model, "MAX_MODEL_CHARS"),
+            "greedy": greedy, "model": v.text("model", model, "MAX_MODEL_CHARS"),
             "tests": tests}
 
 
@@ -167,11 +177,27 @@ class Store:
 
     def create_session(self, *, title: str = "", model: str = "", device: str = "", world_size: int = 1,
                        columns: int = 1, code: str = "", instruction: str = "",
-                       params: Mapping[str, Any] | None = None) -> str:
+                       params: Mapping[str, Any] | None = None, owner: str | None = None) -> str:
+        """A new session; `owner` (a browser's random owner id) makes it show in that owner's History."""
         fields = _session_fields(dict(title=title, model=model, device=device, world_size=world_size,
                                       columns=columns, code=code, instruction=instruction, params=params))
+        owner_hash = None if owner is None else _owner_hash(owner)
         with self._write() as s:
-            return self._insert_session(s, fields).id
+            row = self._insert_session(s, fields)
+            if owner_hash is not None:  # (left unset otherwise: older schemas have no such column)
+                row.owner_hash = owner_hash
+            return row.id
+
+    def owns(self, session_id: str, owner: str | None) -> bool:
+        """Is `owner` the owner of this session? (False for unknown ids and malformed owners.)"""
+        if not is_id(session_id) or not isinstance(owner, str):
+            return False
+        try:
+            digest = _owner_hash(owner)
+        except ValidationError:
+            return False
+        with self._read() as s:
+            return s.scalar(select(PlaySession.owner_hash).where(PlaySession.id == session_id)) == digest
 
     @staticmethod
     def _insert_session(s: Session, fields: dict[str, Any]) -> PlaySession:
@@ -180,9 +206,10 @@ class Store:
         s.add(row)
         return row
 
-    def get_session(self, session_id: str) -> dict[str, Any] | None:
-        """The session with its generations and comparisons (with per-sample results)."""
-        if not is_id(session_id):
+    def get_session(self, session_id: str, owner: str | None = None) -> dict[str, Any] | None:
+        """The session with its generations and comparisons (with per-sample results). With `owner`:
+        None unless that owner owns it (the app always passes the browser's owner id)."""
+        if not is_id(session_id) or (owner is not None and not self.owns(session_id, owner)):
             return None
         with self._read() as s:
             row = s.get(PlaySession, session_id, options=[
@@ -199,12 +226,24 @@ class Store:
                 setattr(row, k, x)
             row.updated_at = utcnow()
 
-    def list_sessions(self, limit: int = 50) -> list[dict[str, Any]]:
-        """Summaries (no code, outputs or results), most recently updated first."""
+    def list_sessions(self, limit: int = 50, owner: str | None = None) -> list[dict[str, Any]]:
+        """Summaries (no code, outputs or results), most recently updated first, each with the best
+        decode tokens/s of its generations, its generation count and its live share links.
+        With `owner`: that owner's sessions only."""
         limit = v.integer("limit", limit, 1, "MAX_SESSIONS_LISTED")
+        best = (select(Generation.session_id, func.max(Generation.decode_tokens_per_second).label("best"),
+                       func.count().label("count")).group_by(Generation.session_id).subquery())
+        links = (select(ShareLink.session_id, func.count().label("links")).group_by(ShareLink.session_id).subquery())
+        query = (select(PlaySession, best.c.best, best.c.count, links.c.links)
+                 .outerjoin(best, best.c.session_id == PlaySession.id)
+                 .outerjoin(links, links.c.session_id == PlaySession.id)
+                 .order_by(PlaySession.updated_at.desc()).limit(limit))
+        if owner is not None:
+            query = query.where(PlaySession.owner_hash == _owner_hash(owner))
         with self._read() as s:
-            rows = s.scalars(select(PlaySession).order_by(PlaySession.updated_at.desc()).limit(limit))
-            return [r.summary() for r in rows]
+            return [{**row.summary(), "best_tokens_per_second": best_tps, "generations": count or 0,
+                     "share_links": n_links or 0}
+                    for row, best_tps, count, n_links in s.execute(query)]
 
     def delete_session(self, session_id: str) -> bool:
         """Deletes the session with everything hanging off it, its share links included."""
@@ -335,6 +374,22 @@ class Store:
                 raise ValidationError(f"session_id: the session already has {count} share links, the limit of "
                                       f"{limits.MAX_SHARES_PER_SESSION} (MAX_SHARES_PER_SESSION)")
             snapshot = share.snapshot(row.to_dict())
+            held = s.scalar(select(func.coalesce(func.sum(func.length(ShareLink.snapshot)), 0))
+                            .where(ShareLink.session_id == row.id))
+            if row.owner_hash is not None:
+                owner_held = s.scalar(select(func.coalesce(func.sum(func.length(ShareLink.snapshot)), 0))
+                                      .join(PlaySession, PlaySession.id == ShareLink.session_id)
+                                      .where(PlaySession.owner_hash == row.owner_hash))
+                if owner_held + len(snapshot) > limits.MAX_SHARED_BYTES_PER_OWNER:
+                    raise ValidationError(f"owner: share links already hold {owner_held} characters of snapshots; "
+                                          f"another {len(snapshot)} would pass the limit of "
+                                          f"{limits.MAX_SHARED_BYTES_PER_OWNER} (MAX_SHARED_BYTES_PER_OWNER); "
+                                          "revoke some links first")
+            if held + len(snapshot) > limits.MAX_SHARED_BYTES_PER_SESSION:
+                raise ValidationError(f"session_id: its share links already hold {held} characters of snapshots; "
+                                      f"another {len(snapshot)} would pass the limit of "
+                                      f"{limits.MAX_SHARED_BYTES_PER_SESSION} (MAX_SHARED_BYTES_PER_SESSION); "
+                                      "revoke a link first")
             s.add(ShareLink(token_hash=share.digest(token), owner_hash=share.digest(owner_secret),
                             session_id=row.id, created_at=utcnow(), snapshot=snapshot))
         return token, owner_secret
@@ -359,17 +414,43 @@ class Store:
                 return True
         return False
 
-    def fork_shared(self, token: str) -> str | None:
-        """A new session (new id, editable, yours) with a copy of everything in the snapshot, or None."""
+    def list_shares(self, session_id: str) -> list[dict[str, Any]]:
+        """The live links of a session: [{"link": a key for revoke_link, "created_at"}], newest first.
+        (Tokens are not stored, so they cannot be listed; the key is a prefix of the token's digest.)"""
+        if not is_id(session_id):
+            return []
+        with self._read() as s:
+            rows = s.execute(select(ShareLink.token_hash, ShareLink.created_at)
+                             .where(ShareLink.session_id == session_id).order_by(ShareLink.created_at.desc()))
+            return [{"link": h[:LINK_KEY_CHARS], "created_at": iso(t)} for h, t in rows]
+
+    def revoke_link(self, session_id: str, link: str) -> bool:
+        """Deletes one of the session's links by its `list_shares` key (the app checks ownership first)."""
+        if not is_id(session_id) or not isinstance(link, str) or len(link) != LINK_KEY_CHARS or \
+                not all(c in "0123456789abcdef" for c in link):
+            return False
+        with self._write() as s:
+            row = s.scalar(select(ShareLink).where(ShareLink.session_id == session_id,
+                                                   ShareLink.token_hash.startswith(link)))
+            if row is not None:
+                s.delete(row)
+            return row is not None
+
+    def fork_shared(self, token: str, owner: str | None = None) -> str | None:
+        """A new session (new id, editable, yours) with a copy of everything in the snapshot, or None.
+        `owner`: whose History it joins."""
         snap = self.get_shared(token)
         if snap is None:
             return None
         fields = _session_fields({k: snap[k] for k in SESSION_FIELDS})
+        owner_hash = None if owner is None else _owner_hash(owner)
         batches: dict[int, list[dict[str, Any]]] = {}
         for g in snap["generations"]:
             batches.setdefault(g["batch"], []).append(g)
         with self._write() as s:
             session = self._insert_session(s, fields)
+            if owner_hash is not None:
+                session.owner_hash = owner_hash
             for batch, records in sorted(batches.items()):
                 self._insert_generations(s, session, _generation_batch(records), batch=batch)
             for c in snap["comparisons"]:

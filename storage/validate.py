@@ -6,7 +6,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from storage import limits
+from laneplay.storage import limits
 
 
 class ValidationError(ValueError):
@@ -36,7 +36,12 @@ def text(field: str, value: Any, limit: str, *, optional: bool = False, min_char
         raise ValidationError(f"{field}: must have at least {min_chars} character(s)")
     if "\x00" in value:
         raise ValidationError(f"{field}: contains a NUL character")
-    return value
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate ("\ud800"): JSON can carry it, UTF-8 cannot
+        raise ValidationError(f"{field}: contains an unpaired surrogate at character {e.start}; "
+                              "text must be valid Unicode") from None
+    return str(value)
 
 
 def integer(field: str, value: Any, lo: int, hi: int | str, *, optional: bool = False) -> int | None:
@@ -57,7 +62,11 @@ def number(field: str, value: Any, lo: float, hi: float | str, *, optional: bool
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValidationError(f"{field}: expected a number, got {type(value).__name__}")
     top, name = _limit(hi)
-    value = float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an integer too large for a float (e.g. 400 digits)
+        raise ValidationError(f"{field}: {str(value)[:20]}... is outside the allowed range "
+                              f"[{lo}, {top}]{name}") from None
     if not math.isfinite(value) or value > top or value < lo or (lo_open and value == lo):
         low = f"({lo}" if lo_open else f"[{lo}"
         raise ValidationError(f"{field}: {value} is outside the allowed range {low}, {top}]{name}")
@@ -94,11 +103,18 @@ def record(field: str, value: Any, names: Sequence[str]) -> dict[str, Any]:
     flat records and {"text": ..., "metrics": ev.metrics} work. Other keys are ignored: the metrics
     record may carry more fields than storage keeps."""
     if isinstance(value, Mapping):
-        get = value.get
+        read = value.get
     elif dataclasses.is_dataclass(value) or hasattr(value, "__dict__") or hasattr(value, "_fields"):
-        get = lambda k, d=None: getattr(value, k, d)  # noqa: E731
+        read = lambda k, d=None: getattr(value, k, d)  # noqa: E731
     else:
         raise ValidationError(f"{field}: expected a mapping or a record object, got {type(value).__name__}")
+
+    def get(k):
+        try:
+            return read(k)
+        except Exception as e:  # a hostile mapping or property: its failure is bad input, not ours
+            raise ValidationError(f"{field}.{k}: could not be read ({type(e).__name__})") from None
+
     out = {k: get(k) for k in names}
     metrics = get("metrics")
     if metrics is not None:

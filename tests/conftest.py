@@ -8,8 +8,6 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Engines run eagerly in tests (compiling costs seconds per engine); tests of the compiled path opt in.
-os.environ.setdefault("LANEPLAY_COMPILE", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -3,8 +3,8 @@ open connection in `config.attributes["connection"]`, so migrations run with the
 inside the same transaction as the rest of the storage layer."""
 from alembic import context
 
-from storage.db import WRITE, database_url, make_engine
-from storage.models import Base
+from laneplay.storage.db import WRITE, database_url, make_engine
+from laneplay.storage.models import Base
 
 config = context.config
 target_metadata = Base.metadata

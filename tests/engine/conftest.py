@@ -5,7 +5,7 @@ import torch
 
 @pytest.fixture(scope="session")
 def default_engine():
-    from engine import load_engine
+    from laneplay.engine import load_engine
 
     return load_engine("smollm2-135m-instruct", compile=False)
 
@@ -13,7 +13,7 @@ def default_engine():
 @pytest.fixture(scope="session")
 def hf_default_model():
     transformers = pytest.importorskip("transformers")
-    from engine.checkpoint import resolve_checkpoint
+    from laneplay.engine.checkpoint import resolve_checkpoint
 
     path = resolve_checkpoint("smollm2-135m-instruct")
     return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,

@@ -4,10 +4,10 @@ import json
 import pytest
 import torch
 
-from engine import CheckpointError, load_engine
-from engine.checkpoint import (open_checkpoint, load_weights, random_laneformer_tensors, resolve_checkpoint,
+from laneplay.engine import CheckpointError, load_engine
+from laneplay.engine.checkpoint import (open_checkpoint, load_weights, random_laneformer_tensors, resolve_checkpoint,
                                tiny_laneformer_config, write_checkpoint)
-from engine.model import LaneModel
+from laneplay.engine.model import LaneModel
 
 transformers = pytest.importorskip("transformers")
 

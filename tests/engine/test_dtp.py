@@ -6,9 +6,10 @@ import time
 import pytest
 import torch
 
-from engine import SamplingParams, load_engine
-from engine.checkpoint import random_laneformer_tensors, tiny_laneformer_config, write_checkpoint
-from engine.dtp import DTPError
+from laneplay.engine import SamplingParams, load_engine
+from laneplay.engine.checkpoint import random_laneformer_tensors, tiny_laneformer_config, write_checkpoint
+from laneplay.engine.dtp import DTPError
+from laneplay.engine.loader import reload
 
 pytestmark = pytest.mark.slow
 
@@ -57,23 +58,23 @@ def cluster(request, checkpoints):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_every_world_size_computes_the_single_process_function(cluster, checkpoints, name):
     path, ref_logits, ref_greedy, ref_sampled = checkpoints[name]
-    cluster.load(path, torch.float32)
+    eng = reload(cluster, path)
     for wait_now in (False, True):
-        cluster.configure(wait_now=wait_now)
-        assert (cluster.logits(IDS) - ref_logits).abs().max() <= 1e-5
-        assert collect(cluster, max_tokens=8)[1] == ref_greedy
-    cluster.configure(wait_now=False)
-    assert collect(cluster, max_tokens=8, temperature=1.0, top_p=0.9, seed=7, n=2)[0] == ref_sampled
+        eng.runner.configure(wait_now=wait_now)
+        assert (eng.logits(IDS) - ref_logits).abs().max() <= 1e-5
+        assert collect(eng, max_tokens=8)[1] == ref_greedy
+    eng.runner.configure(wait_now=False)
+    assert collect(eng, max_tokens=8, temperature=1.0, top_p=0.9, seed=7, n=2)[0] == ref_sampled
 
 
 def test_each_rank_holds_its_share_of_the_layer_weights(cluster, checkpoints):
     path = checkpoints["d2-early"][0]
-    cluster.load(path, torch.float32)
+    reload(cluster, path)
     single = load_engine(path, compile=False)
     nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
     total = sum(nbytes(t) for lw in single.model.layers for t in vars(lw).values())
     norms = sum(nbytes(lw.attn_norm) + nbytes(lw.ffn_norm) for lw in single.model.layers)  # replicated [D]
-    per_rank = [info["layer_bytes"] for info in cluster.rank_info]
+    per_rank = [info["layer_bytes"] for info in cluster.runner.rank_info]
     print(f"world {cluster.world_size}: layer bytes per rank {per_rank} of {total} "
           f"({', '.join(f'{b / total:.3f}' for b in per_rank)})")
     assert per_rank == [(total - norms) // cluster.world_size + norms] * cluster.world_size
@@ -85,7 +86,7 @@ def test_llama_checkpoint_runs_as_standard_tensor_parallelism(tmp_path):
     cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                                    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
-    from engine.checkpoint import write_byte_tokenizer
+    from laneplay.engine.checkpoint import write_byte_tokenizer
     write_byte_tokenizer(tmp_path / "llama", 300)
     single = load_engine(tmp_path / "llama", compile=False)
     ref, ref_tokens = single.logits(IDS), collect(single, max_tokens=6)[1]
@@ -115,7 +116,7 @@ def _alive(pid):
 
 def test_a_killed_rank_ends_generation_with_a_clear_error_and_no_process_left(checkpoints):
     eng = load_engine(checkpoints["d2-early"][0], world_size=2, timeout_s=20)
-    pids = eng.pids
+    pids = eng.runner.pids
     events = eng.generate(PROMPT, SamplingParams(max_tokens=120, ignore_eos=True))
     next(events)
     t0 = time.monotonic()
@@ -132,15 +133,15 @@ def test_a_killed_rank_ends_generation_with_a_clear_error_and_no_process_left(ch
 
 def test_close_leaves_no_process_behind(checkpoints):
     eng = load_engine(checkpoints["d1-late"][0], world_size=4)
-    pids = eng.pids
+    pids = eng.runner.pids
     eng.close()
     assert not any(_alive(p) for p in pids)
 
 
 def test_stop_string_cancels_all_ranks_and_the_engine_stays_usable(cluster, checkpoints):
     path, _, ref_greedy, _ = checkpoints["d2-late"]
-    cluster.load(path, torch.float32)
-    events = cluster.generate(PROMPT, SamplingParams(max_tokens=50, ignore_eos=True))
+    eng = reload(cluster, path)
+    events = eng.generate(PROMPT, SamplingParams(max_tokens=50, ignore_eos=True))
     next(events)
     events.close()  # the consumer walks away mid-request
-    assert collect(cluster, max_tokens=8)[1] == ref_greedy
+    assert collect(eng, max_tokens=8)[1] == ref_greedy

@@ -6,9 +6,9 @@ import sys
 import pytest
 import torch
 
-from engine import SamplingParams
-from engine.generate import StopMatcher
-from engine.sampling import process_logits, sample
+from laneplay.engine import SamplingParams
+from laneplay.engine.generate import StopMatcher
+from laneplay.engine.sampling import process_logits, sample
 
 PROMPTS = {
     "is_even": ("Write a Python function `is_even(n)` that returns True if n is even.",
@@ -174,7 +174,8 @@ def test_bad_input_is_rejected_before_any_work(default_engine, monkeypatch, prom
     def forbidden(*a, **k):
         raise AssertionError("the model ran on invalid input")
 
-    monkeypatch.setattr(default_engine, "prefill", forbidden)
+    monkeypatch.setattr(default_engine.runner, "prefill", forbidden)
+    monkeypatch.setattr(default_engine.runner, "token_steps", forbidden)
     with pytest.raises(ValueError, match=pattern):
         default_engine.generate(prompt, SamplingParams(**params))
 

@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from engine import load_engine
-from engine.checkpoint import random_laneformer_tensors, tiny_laneformer_config, write_checkpoint
-from tests.engine.naive_reference import naive_logits
+from laneplay.engine import load_engine
+from laneplay.engine.checkpoint import random_laneformer_tensors, tiny_laneformer_config, write_checkpoint
+from .naive_reference import naive_logits
 
 
 def build(tmp_path, seed=0, layout="3d", **overrides):

@@ -8,10 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-try:
-    import naive_reference as nr
-except ImportError:  # tests/engine imported as a package
-    from . import naive_reference as nr
+from . import naive_reference as nr
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,11 +12,12 @@ from contextlib import contextmanager
 import httpx
 import openai
 import pytest
+import torch
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
-from engine import SamplingParams
-from engine.server import EngineServer, create_app
+from laneplay.engine import SamplingParams
+from laneplay.engine.server import EngineServer, create_app
 
 MODEL = "smollm2-135m-instruct"
 CHAT = [{"role": "system", "content": "You are a concise coding assistant."},
@@ -280,7 +281,7 @@ def test_engine_failure_is_an_error_not_a_hang(default_engine):
             r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2})
             assert r.status_code == 500 and "device fell over" in r.json()["error"]["message"]
             with http.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "stream": True}) as s:
-                lines = [line for line in s.iter_lines() if line]
+                lines = [line for line in s.iter_lines() if line and not line.startswith(":")]
             assert "error" in json.loads(lines[0][6:]) and lines[-1] == "data: [DONE]"
             assert http.get("/health").json()["busy"] is False
             assert scrape(url)[("laneplay_generations_total", (("outcome", "error"),))] == 2
@@ -359,3 +360,78 @@ def test_api_key(default_engine):
         assert [m.id for m in openai.OpenAI(base_url=url + "/v1", api_key="s3cret").models.list()] == [MODEL]
         assert scrape(url, Authorization="Bearer s3cret")[
             ("laneplay_requests_total", (("endpoint", "/v1/models"), ("status", "401")))] == 4
+
+
+# ---- hardening -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("temperature", [1e-38, 1e-300, 5e-324])
+def test_a_tiny_positive_temperature_is_served_not_a_500(server, temperature):
+    errors = ("laneplay_generations_total", (("outcome", "error"),))
+    before = scrape(server).get(errors, 0)
+    with httpx.Client(base_url=server, timeout=120) as http:
+        body = {"prompt": PROMPT, "max_tokens": 4, "temperature": temperature, "seed": 1}
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] >= 1
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+            assert s.status_code == 200
+            events = list(sse_data(s.iter_lines()))
+    assert not any("error" in e for e in events), events
+    assert scrape(server).get(errors, 0) == before
+
+
+def test_a_request_past_the_kv_budget_is_a_clear_400_and_nothing_is_allocated(default_engine):
+    from dataclasses import replace
+
+    from laneplay.engine import Engine
+
+    budget = 4 * 2**30  # what a 20 GiB machine gets by default: the probe's n=16 x 8150 needs more
+    eng = Engine(default_engine.cfg, default_engine.runner, replace(default_engine.runtime, kv_budget_bytes=budget),
+                 default_engine.path, tokenizer=default_engine.tokenizer)
+    with serve(create_app(eng, model_name=MODEL)) as url, httpx.Client(base_url=url, timeout=120) as http:
+        big = http.post("/v1/completions", json={"prompt": "hi", "n": 16, "max_tokens": 8150})
+        assert big.status_code == 400, big.text
+        msg = big.json()["error"]["message"]
+        assert "KV budget" in msg and "4.00 GiB" in msg and "--kv-budget-gb" in msg, msg
+        ok = http.post("/v1/completions", json={"prompt": PROMPT, "n": 2, "max_tokens": 4})
+        assert ok.status_code == 200
+
+
+def test_a_client_leaving_during_a_long_prefill_frees_the_engine_within_one_chunk(server, default_engine):
+    chunk = default_engine.runtime.prefill_chunk
+    ids = torch.randint(100, 1000, (1, chunk), generator=torch.Generator().manual_seed(0))
+    t0 = time.perf_counter()
+    default_engine.runner.prefill(ids, 1, chunk + 1)
+    t_chunk = time.perf_counter() - t0
+    default_engine.runner.cache = None
+    long_prompt = "def f(x):\n    return x + 1\n" * 400  # ~5,000 tokens: about ten chunks
+    assert len(default_engine.tokenizer.encode(long_prompt)) > 8 * chunk
+    with httpx.Client(base_url=server, timeout=120) as http:
+        body = {"prompt": long_prompt, "max_tokens": 4, "temperature": 0, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body):
+            time.sleep(max(0.5, t_chunk))  # the prefill is under way; now the client leaves
+        left = time.perf_counter()
+        nxt = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "temperature": 0})
+        waited = time.perf_counter() - left
+    assert nxt.status_code == 200
+    small = nxt.json()["laneplay"]
+    served = (small["ttft_ms"] or 0) / 1000
+    print(f"one prefill chunk: {t_chunk:.2f} s; the next request waited {waited:.2f} s ({served:.2f} s its own)")
+    assert waited - served < 2 * t_chunk + 1.0  # not the ~8 chunks of prefill that were left
+
+
+def test_a_waiting_stream_says_queued_then_running(default_engine):
+    with serve(create_app(default_engine, model_name=MODEL)) as url, httpx.Client(base_url=url, timeout=120) as http:
+        def long_one():
+            http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 24, "ignore_eos": True})
+
+        first = threading.Thread(target=long_one)
+        first.start()
+        deadline = time.monotonic() + 30
+        while not http.get("/health").json()["busy"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        body = {"prompt": PROMPT, "max_tokens": 2, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as s:
+            comments = [line for line in s.iter_lines() if line.startswith(":")]
+        first.join()
+    assert comments == [": laneplay queued 1", ": laneplay running"], comments

@@ -1,4 +1,4 @@
-"""engine.tokenizer against its references: transformers (GGUF, tokenizer.json, tokenizer.model) and sentencepiece.
+"""laneplay.engine.tokenizer against its references: transformers (GGUF, tokenizer.json, tokenizer.model) and sentencepiece.
 
 Two tokenizers are exercised everywhere: the embedded SmolLM2 GGUF (byte-level BPE through HF `tokenizers`)
 and a tiny sentencepiece BPE trained here in well under a second (byte fallback on, CJK and emoji left out
@@ -21,7 +21,7 @@ import gguf  # noqa: E402
 import sentencepiece as spm  # noqa: E402
 from sentencepiece import sentencepiece_model_pb2 as sp_pb2  # noqa: E402
 
-from engine.tokenizer import (  # noqa: E402
+from laneplay.engine.tokenizer import (  # noqa: E402
     StreamDecoder, Tokenizer, load_tokenizer, tokenizer_from_gguf)
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

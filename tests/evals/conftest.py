@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from evals import sandbox
+from laneplay.evals import sandbox
 
 
 @pytest.fixture

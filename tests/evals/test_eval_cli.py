@@ -7,12 +7,12 @@ import time
 
 import pytest
 
-from evals import cli as eval_cli
-from evals.engine_generate import Batch, SampleTiming
-from evals.passk import pass_at_k
-from evals.problems import select
+from laneplay.evals import cli as eval_cli
+from laneplay.evals.engine_generate import Batch, SampleTiming
+from laneplay.evals.passk import pass_at_k
+from laneplay.evals.problems import select
 from laneplay.cli import main
-from storage import Store
+from laneplay.storage import Store
 
 WRONG = "    return None\n"
 
@@ -128,6 +128,8 @@ def test_greedy_only(tmp_path, db_url, monkeypatch, capsys, sandboxed):
     assert rc == 0 and printed_numbers(out) == {"greedy pass@1": 1.0}
     c = Store(db_url).get_comparison(comparison_id_of(out))
     assert c["greedy_pass1"] == 1.0 and c["passk"] == [] and len(c["results"]) == 2
+    assert c["n"] == 0 and c["greedy"] is True  # stored as what it is: greedy only, no samples
+    assert all(r["greedy"] for r in c["results"])
 
 
 def test_ctrl_c_keeps_finished_problems(tmp_path, db_url, monkeypatch, capsys, sandboxed):
@@ -160,7 +162,7 @@ def test_bad_options(argv, message, capsys, db_url):
 
 
 def test_refuses_without_sandbox(monkeypatch, capsys, db_url):
-    from evals import sandbox
+    from laneplay.evals import sandbox
 
     monkeypatch.delenv(sandbox.UNSAFE_ENV, raising=False)
     monkeypatch.setattr(sandbox, "sandbox_available", lambda: (False, "bubblewrap is not installed"))
@@ -232,7 +234,7 @@ def served():
 @pytest.mark.parametrize("mode", ["instruct", "base"])
 def test_engine_url(mode, served, tmp_path, db_url, monkeypatch, capsys, sandboxed):
     url, requests = served
-    monkeypatch.setattr("engine.load_engine", lambda *a, **k: pytest.fail("no local model with --engine-url"))
+    monkeypatch.setattr("laneplay.engine.load_engine", lambda *a, **k: pytest.fail("no local model with --engine-url"))
     rc = main(["eval", "--problems", "humaneval:0-3", "--n", "2", "--mode", mode, "--top-p", "0.95",
                "--engine-url", url + "/v1", "--db", db_url, "--out", str(tmp_path)])
     captured = capsys.readouterr()

@@ -6,9 +6,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from evals.execution import check
-from evals.problems import humaneval
-from evals.runner import worker_count
+from laneplay.evals.execution import check
+from laneplay.evals.problems import humaneval
+from laneplay.evals.runner import worker_count
 
 WRONG = "    return None\n"
 

@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from evals.passk import KS, OUTCOMES, count_statuses, mean_pass_at_ks, pass_at_k, pass_at_ks
+from laneplay.evals.passk import KS, OUTCOMES, count_statuses, mean_pass_at_ks, pass_at_k, pass_at_ks
 
 
 def brute_force(n, c, k):

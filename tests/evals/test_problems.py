@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from evals.execution import check, program
-from evals.problems import (MAX_USER_ASSERTS, MAX_USER_TEST_CHARS, ProblemError, humaneval, humaneval_path,
+from laneplay.evals.execution import check, program
+from laneplay.evals.problems import (MAX_USER_ASSERTS, MAX_USER_TEST_CHARS, ProblemError, humaneval, humaneval_path,
                             load_jsonl, select, user_problem)
 
 

@@ -1,7 +1,7 @@
 """Prompt building and code extraction (base and instruct modes)."""
-from evals.execution import check
-from evals.problems import humaneval, user_problem
-from evals.prompting import (STOP_SEQUENCES, chat_messages, extract_code, extract_completion,
+from laneplay.evals.execution import check
+from laneplay.evals.problems import humaneval, user_problem
+from laneplay.evals.prompting import (STOP_SEQUENCES, chat_messages, extract_code, extract_completion,
                              truncate_completion)
 
 HE = {p.task_id: p for p in humaneval()}

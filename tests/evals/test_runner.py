@@ -4,9 +4,9 @@ import os
 
 import pytest
 
-from evals.passk import pass_at_k
-from evals.problems import select
-from evals.runner import EvalConfig, run_eval, worker_count, write_samples_jsonl, write_summary_json
+from laneplay.evals.passk import pass_at_k
+from laneplay.evals.problems import select
+from laneplay.evals.runner import EvalConfig, run_eval, worker_count, write_samples_jsonl, write_summary_json
 
 WRONG, LOOP = "    return None\n", "    while True:\n        pass\n"
 
@@ -93,7 +93,7 @@ def test_workers_never_exceed_cores():
 
 
 def test_refuses_before_generating_without_a_sandbox(monkeypatch):
-    from evals import sandbox
+    from laneplay.evals import sandbox
 
     monkeypatch.delenv(sandbox.UNSAFE_ENV, raising=False)
     monkeypatch.setattr(sandbox, "sandbox_available", lambda: (False, "no bwrap; install bubblewrap"))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from evals.sandbox import OUTPUT_CAP, SANDBOX_UID, SandboxUnavailable, run_python
+from laneplay.evals.sandbox import OUTPUT_CAP, SANDBOX_UID, SandboxUnavailable, run_python
 
 
 def run(code, timeout_s=10.0, memory_mb=512):
@@ -264,7 +264,7 @@ def test_daemonized_child_does_not_survive(sandboxed):
 
 
 def test_refuses_to_run_without_bubblewrap(monkeypatch):
-    from evals import sandbox
+    from laneplay.evals import sandbox
 
     monkeypatch.delenv(sandbox.UNSAFE_ENV, raising=False)
     monkeypatch.setattr(sandbox.shutil, "which", lambda name, *a, **k: None)
@@ -281,7 +281,7 @@ def test_refuses_to_run_without_bubblewrap(monkeypatch):
 
 
 def test_unsafe_opt_out_is_explicit_and_loud(monkeypatch, capsys):
-    from evals import sandbox
+    from laneplay.evals import sandbox
 
     monkeypatch.setenv(sandbox.UNSAFE_ENV, "1")
     monkeypatch.setattr(sandbox.shutil, "which", lambda name, *a, **k: None)  # no bwrap: still runs
@@ -302,3 +302,65 @@ def test_rejects_bad_arguments(kwargs):
     args = dict(code="pass", timeout_s=5, memory_mb=256) | kwargs
     with pytest.raises((TypeError, ValueError)):
         run_python(**args)
+
+
+def _mem_available_mb() -> float:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no MemAvailable in /proc/meminfo")
+
+
+def test_memory_bounds_the_whole_run_not_each_forked_process(sandboxed):
+    # 20 forked children, each touching 200 MB, under memory_mb=256: per-process limits alone let this
+    # take ~4 GB from the host. The run together must stay near its bound and end as "memory".
+    marker = f"laneplay-forkalloc-{uuid.uuid4().hex}"
+    child = "x = b'x' * (200 << 20); import time; time.sleep(30)"
+    code = ("import os, sys, time\n"
+            "for _ in range(20):\n"
+            "    try:\n"
+            "        if os.fork() == 0:\n"
+            f"            os.execv(sys.executable, [sys.executable, '-S', '-c', {child!r}, {marker!r}])\n"
+            "    except OSError:\n"
+            "        pass\n"
+            "time.sleep(30)\n")
+    baseline, lowest, done = _mem_available_mb(), [float("inf")], threading.Event()
+
+    def watch():  # an independent view of what the host lost, sampled while the run is alive
+        while not done.is_set():
+            lowest[0] = min(lowest[0], _mem_available_mb())
+            time.sleep(0.002)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        r = run(code, timeout_s=20, memory_mb=256)
+    finally:
+        done.set()
+        watcher.join()
+    taken = baseline - lowest[0]
+    print(f"fork x allocation: status {r.status}, watcher peak {r.peak_memory_mb} MB, host lost at most "
+          f"{taken:.0f} MB, {r.seconds:.2f} s")
+    assert r.status == "memory", (r.status, r.stderr[-500:])
+    assert r.seconds < 10
+    assert 256 < r.peak_memory_mb < 1024
+    assert taken < 1024, f"the host lost {taken:.0f} MB to a run bounded at 256 MB"
+    deadline = time.monotonic() + 2
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _processes_with(marker) == []  # nothing outlives the run
+
+
+def test_forked_workers_within_the_bound_run_normally(sandboxed):
+    code = ("import os\n"
+            "kids = []\n"
+            "for i in range(4):\n"
+            "    pid = os.fork()\n"
+            "    if pid == 0:\n"
+            "        x = b'y' * (20 << 20)\n"
+            "        os._exit(0)\n"
+            "    kids.append(pid)\n"
+            "print(all(os.waitpid(k, 0)[1] == 0 for k in kids))\n")
+    r = run(code, timeout_s=20, memory_mb=256)
+    assert r.status == "ok" and r.stdout.strip() == "True", (r.status, r.stderr)

@@ -1,7 +1,14 @@
 """Fixtures for the storage tests: a fresh SQLite file per test."""
+import sys
+from pathlib import Path
+
 import pytest
 
-from storage import Store
+# Spawned child processes import their target by module name: `storage_workers` is found on this
+# folder's path entry (the tests run with the repository root off sys.path).
+sys.path.insert(0, str(Path(__file__).parent))
+
+from laneplay.storage import Store
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@ from math import comb
 
 from sqlalchemy import inspect, text
 
-from storage import Store
+from laneplay.storage import Store
 
 
 def row_counts(store: Store) -> dict[str, int]:

@@ -5,7 +5,7 @@ import time
 from sqlalchemy import event
 from sqlalchemy.orm import Session
 
-from storage import Store
+from laneplay.storage import Store
 
 
 def record(worker: int, i: int, sample_index: int = 0, text: str = "") -> dict:

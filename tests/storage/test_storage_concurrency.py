@@ -2,7 +2,7 @@
 import multiprocessing as mp
 import queue
 
-from . import storage_workers
+import storage_workers
 
 WORKERS, WRITES = 4, 200
 

@@ -4,7 +4,7 @@ import multiprocessing as mp
 import os
 import sqlite3
 
-from . import storage_workers
+import storage_workers
 
 
 def _check(path: str) -> None:

@@ -7,10 +7,10 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, text
 
-import storage
-from storage import Store
-from storage.db import alembic_config, make_engine
-from storage.models import Base
+from laneplay import storage
+from laneplay.storage import Store
+from laneplay.storage.db import alembic_config, make_engine
+from laneplay.storage.models import Base
 
 TABLES = {"sessions", "generations", "comparisons", "sample_results", "passk", "share_links"}
 
@@ -36,17 +36,17 @@ def tables(url: str) -> set[str]:
 
 def test_history_is_linear_with_two_revisions():
     script = ScriptDirectory.from_config(alembic_config())
-    assert script.get_heads() == [storage.head()] == ["0002"]
-    assert [r.revision for r in script.walk_revisions()] == ["0002", "0001"]
+    assert script.get_heads() == [storage.head()] == ["0003"]
+    assert [r.revision for r in script.walk_revisions()] == ["0003", "0002", "0001"]
 
 
 def test_upgrade_empty_database_to_head(db_url):
     assert storage.current(db_url) is None
-    assert storage.upgrade(db_url) == "0002"
-    assert storage.current(db_url) == "0002"
+    assert storage.upgrade(db_url) == "0003"
+    assert storage.current(db_url) == "0003"
     assert tables(db_url) == TABLES
     assert schema_diff(db_url) == []
-    assert storage.upgrade(db_url) == "0002"  # idempotent
+    assert storage.upgrade(db_url) == "0003"  # idempotent
 
 
 def test_upgrade_from_previous_revision_keeps_data(db_url):
@@ -54,20 +54,45 @@ def test_upgrade_from_previous_revision_keeps_data(db_url):
     assert tables(db_url) == TABLES - {"share_links"}
     diff = schema_diff(db_url)  # the comparison does see a schema that is behind
     assert [(d[0], d[1].name) for d in diff if d[0] == "add_table"] == [("add_table", "share_links")]
-    with Store(db_url, upgrade=False) as old:  # the 0001 schema is enough for sessions
-        sid = old.create_session(title="made before share links existed", code="x = 1\n")
-        old.add_generations(sid, [{"sample_index": 0, "text": "y", "prompt_tokens": 1, "completion_tokens": 1}])
+    sid = "S" * 22  # rows as the 0001 code wrote them (today's ORM knows newer columns)
+    engine = make_engine(db_url)
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO sessions (id, created_at, updated_at, title, model, device, world_size, "
+                          "columns, code, instruction, params) VALUES (:id, '2026-01-01 00:00:00', "
+                          "'2026-01-01 00:00:00', 'made before share links existed', '', '', 1, 1, 'x = 1', '', '{}')"),
+                     {"id": sid})
+        conn.execute(text("INSERT INTO generations (session_id, batch, sample_index, created_at, text, "
+                          "prompt_tokens, completion_tokens) VALUES (:id, 1, 0, '2026-01-01 00:00:00', 'y', 1, 1)"),
+                     {"id": sid})
+    engine.dispose()
 
     with Store(db_url) as s:  # opening the store upgrades
-        assert storage.current(db_url) == "0002"
+        assert storage.current(db_url) == "0003"
         assert s.get_session(sid)["title"] == "made before share links existed"
         token, _ = s.share_session(sid)
         assert s.get_shared(token)["generations"][0]["text"] == "y"
     assert schema_diff(db_url) == []
 
 
+def test_upgrade_from_0002_gives_sessions_no_owner(db_url):
+    assert storage.upgrade(db_url, "0002") == "0002"
+    sid = "T" * 22
+    engine = make_engine(db_url)
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO sessions (id, created_at, updated_at, title, model, device, world_size, "
+                          "columns, code, instruction, params) VALUES (:id, '2026-01-01 00:00:00', "
+                          "'2026-01-01 00:00:00', 'before owners', '', '', 1, 1, '', '', '{}')"), {"id": sid})
+    engine.dispose()
+    with Store(db_url) as s:
+        assert storage.current(db_url) == "0003"
+        assert s.get_session(sid)["title"] == "before owners"
+        assert s.list_sessions(owner="o" * 43) == [] and [x["id"] for x in s.list_sessions()] == [sid]
+    assert schema_diff(db_url) == []
+
+
 def test_downgrade(db_url):
     storage.upgrade(db_url)
+    assert storage.downgrade(db_url, "0002") == "0002"
     assert storage.downgrade(db_url, "0001") == "0001"
     assert tables(db_url) == TABLES - {"share_links"}
     engine = make_engine(db_url)
@@ -76,7 +101,7 @@ def test_downgrade(db_url):
     engine.dispose()
     assert storage.downgrade(db_url, "base") is None
     assert tables(db_url) == set()
-    assert storage.upgrade(db_url) == "0002" and schema_diff(db_url) == []
+    assert storage.upgrade(db_url) == "0003" and schema_diff(db_url) == []
 
 
 def test_concurrent_upgrades_take_turns(db_url):
@@ -95,7 +120,7 @@ def test_concurrent_upgrades_take_turns(db_url):
         t.start()
     for t in threads:
         t.join()
-    assert errors == [] and done == ["0002"] * 4
+    assert errors == [] and done == ["0003"] * 4
     assert schema_diff(db_url) == []
 
 

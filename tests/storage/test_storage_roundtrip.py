@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 from sqlalchemy import text
 
-from evals.passk import pass_at_k  # what the caller (laneplay eval) computes and stores
-from storage import NotFound, Store
+from laneplay.evals.passk import pass_at_k  # what the caller (laneplay eval) computes and stores
+from laneplay.storage import NotFound, Store
 
 from .storage_testutil import gen, make_comparison, passk_formula, row_counts
 
@@ -40,7 +40,8 @@ def test_session_defaults_list_and_delete(store):
     store.update_session(a, title="a, touched last")
     listed = store.list_sessions(limit=10)
     assert [s["id"] for s in listed] == [a, b]
-    assert set(listed[0]) == {"id", "created_at", "updated_at", "title", "model", "device", "world_size"}
+    assert set(listed[0]) == {"id", "created_at", "updated_at", "title", "model", "device", "world_size",
+                              "best_tokens_per_second", "generations", "share_links"}
     assert len(store.list_sessions(limit=1)) == 1
 
     store.add_generations(a, [gen()])

@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 from sqlalchemy import text
 
-import storage.share
-from storage import ValidationError, limits
+from laneplay.storage import share as share_mod
+from laneplay.storage import ValidationError, limits
 
 from .storage_testutil import gen, make_comparison
 
@@ -42,7 +42,7 @@ def test_tokens_are_unguessable(store):
         assert owner != token
     assert len(set(tokens)) == len(tokens) and not set(tokens) & {o for _, o in pairs}
     # Entropy over many tokens: ~6 bits per base64 character, so a token carries well over 128 bits.
-    many = [storage.share.new_token() for _ in range(2000)]
+    many = [share_mod.new_token() for _ in range(2000)]
     counts = Counter("".join(t[:-1] for t in many))  # the last character carries padding bits
     total = sum(counts.values())
     bits_per_char = -sum(c / total * math.log2(c / total) for c in counts.values())
@@ -86,7 +86,7 @@ def test_revoke(store, shared):
 
 def test_revoked_and_unknown_tokens_look_the_same(store, shared):
     _, _, token, owner = shared
-    unknown = storage.share.new_token()
+    unknown = share_mod.new_token()
     store.revoke_share(token, owner)
     for t in (token, unknown):
         assert store.get_shared(t) is None
@@ -100,14 +100,14 @@ def test_revoked_and_unknown_tokens_look_the_same(store, shared):
 def test_owner_secret_compared_in_constant_time(store, shared, monkeypatch):
     _, _, token, owner = shared
     calls = []
-    real = storage.share.hmac.compare_digest
+    real = share_mod.hmac.compare_digest
 
     def spy(a, b):
         calls.append((a, b))
         return real(a, b)
 
-    monkeypatch.setattr(storage.share.hmac, "compare_digest", spy)
-    assert store.revoke_share(storage.share.new_token(), owner) is False  # unknown token: same work
+    monkeypatch.setattr(share_mod.hmac, "compare_digest", spy)
+    assert store.revoke_share(share_mod.new_token(), owner) is False  # unknown token: same work
     assert store.revoke_share(token, "wrong-secret-wrong-secret") is False
     assert store.revoke_share(token, owner) is True
     assert len(calls) == 3
@@ -155,7 +155,7 @@ def test_nothing_reachable_by_enumeration(store, shared, db_url):
     con = sqlite3.connect(db_url.removeprefix("sqlite:///"))
     dump = "\n".join(con.iterdump())
     con.close()
-    assert token not in dump and owner not in dump and storage.share.digest(token) in dump
+    assert token not in dump and owner not in dump and share_mod.digest(token) in dump
 
 
 def test_share_limits_and_unknown_session(store):
@@ -164,7 +164,7 @@ def test_share_limits_and_unknown_session(store):
         store.share_session(sid)
     with pytest.raises(ValidationError, match="MAX_SHARES_PER_SESSION"):
         store.share_session(sid)
-    from storage import NotFound
+    from laneplay.storage import NotFound
     with pytest.raises(NotFound):
         store.share_session("A" * 22)
 
@@ -173,3 +173,36 @@ def test_deleting_the_session_kills_its_links(store, shared):
     sid, _, token, _ = shared
     store.delete_session(sid)
     assert store.get_shared(token) is None
+
+
+def test_a_sessions_snapshots_are_bounded_in_total(store, monkeypatch):
+    # Big sessions shared again and again must not grow the database without bound.
+    monkeypatch.setattr(limits, "MAX_SHARED_BYTES_PER_SESSION", 300_000)
+    sid = store.create_session(code="x" * 60_000)
+    for _ in range(4):
+        store.share_session(sid)  # ~60 k characters each
+    with pytest.raises(ValidationError, match="MAX_SHARED_BYTES_PER_SESSION"):
+        store.share_session(sid)
+
+
+def test_owners_see_only_their_sessions_and_forks_join_the_forkers_history(store):
+    alice, bob = "a" * 43, "b" * 43
+    mine = store.create_session(title="alice's", owner=alice)
+    store.add_generations(mine, [gen(decode_tokens_per_second=123.0), gen(1, decode_tokens_per_second=150.0)])
+    theirs = store.create_session(title="bob's", owner=bob)
+    listed = store.list_sessions(owner=alice)
+    assert [s["id"] for s in listed] == [mine]
+    assert listed[0]["best_tokens_per_second"] == 150.0 and listed[0]["generations"] == 2
+    assert store.get_session(theirs, owner=alice) is None and store.get_session(mine, owner=alice)["title"]
+    assert store.owns(mine, alice) and not store.owns(mine, bob) and not store.owns(mine, "short")
+    token, _ = store.share_session(mine)
+    assert store.list_sessions(owner=alice)[0]["share_links"] == 1
+    forked = store.fork_shared(token, owner=bob)
+    assert sorted(s["id"] for s in store.list_sessions(owner=bob)) == sorted([theirs, forked])
+    assert [s["id"] for s in store.list_sessions(owner=alice)] == [mine]
+    (link,) = store.list_shares(mine)
+    assert store.revoke_link(theirs, link["link"]) is False  # another session's key does nothing
+    assert store.revoke_link(mine, link["link"]) is True and store.get_shared(token) is None
+    assert store.list_shares(mine) == [] and store.revoke_link(mine, link["link"]) is False
+    with pytest.raises(ValidationError, match="owner"):
+        store.create_session(owner="too-short")

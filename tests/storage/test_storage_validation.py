@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from storage import NotFound, Store, ValidationError, limits
+from laneplay.storage import NotFound, Store, ValidationError, limits
 
 from .storage_testutil import gen, make_comparison, row_counts
 
@@ -72,6 +72,8 @@ CASES = {
     "records type": (lambda s, i: s.add_generations(i[0], "text"), ["records", "list"]),
     "record type": (lambda s, i: s.add_generations(i[0], [42]), ["records[0]"]),
     "comparison n": (lambda s, i: make_comparison(s, i[0], n=limits.MAX_SAMPLES + 1), ["n", "MAX_SAMPLES"]),
+    "nothing to run": (lambda s, i: s.create_comparison(problem_set="x", problem_ids=["a"], n=0, temperature=0.0,
+                                                        greedy=False), ["n", "greedy"]),
     "problems": (lambda s, i: make_comparison(s, i[0], [f"p{k}" for k in range(limits.MAX_PROBLEMS + 1)]),
                  ["problem_ids", "MAX_PROBLEMS"]),
     "no problems": (lambda s, i: make_comparison(s, i[0], []), ["problem_ids"]),

@@ -1,0 +1,62 @@
+"""The live meter's HTML: one element per meter whose data-* attributes are always current.
+
+The server renders it on every (throttled) update; `static/meter.js` draws the per-token latency
+sparkline from `data-latencies` and keeps `elapsed` ticking between updates. Machine-readable:
+`data-state` (loading | idle | queued | running | done | error), `data-tokens`, `data-tps`,
+`data-ttft-ms`, plus `data-ms-per-token`, `data-elapsed-ms`, `data-source` ("server": the engine's
+own timing; "app": timed here from the stream, for servers that send none).
+"""
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+
+STATES = ("loading", "idle", "queued", "running", "done", "error")
+MAX_SPARK_POINTS = 160
+
+
+@dataclass
+class MeterData:
+    state: str = "idle"
+    tokens: int = 0
+    tps: float | None = None
+    ttft_ms: float | None = None
+    ms_per_token: float | None = None
+    elapsed_ms: float = 0.0
+    device: str | None = None
+    world_size: int | None = None
+    latencies_ms: list[float] = field(default_factory=list)
+    source: str = "server"
+    note: str = ""  # queue position, finish reason, engine stage, ...
+
+
+def _num(x: float | None, fmt: str) -> str:
+    return "–" if x is None else format(x, fmt)
+
+
+def render(d: MeterData, elem_id: str = "meter", compact: bool = False) -> str:
+    assert d.state in STATES, d.state
+    lat = d.latencies_ms[-MAX_SPARK_POINTS:]
+    where = ""
+    if d.device:
+        where = f"{d.device} × {d.world_size}" if d.world_size else d.device
+    attrs = {
+        "id": elem_id, "class": "lp-meter" + (" lp-compact" if compact else ""), "data-state": d.state,
+        "data-tokens": str(d.tokens), "data-tps": "" if d.tps is None else f"{d.tps:.2f}",
+        "data-ttft-ms": "" if d.ttft_ms is None else f"{d.ttft_ms:.1f}",
+        "data-ms-per-token": "" if d.ms_per_token is None else f"{d.ms_per_token:.2f}",
+        "data-elapsed-ms": f"{d.elapsed_ms:.0f}", "data-source": d.source,
+        "data-latencies": ",".join(f"{x:.1f}" for x in lat),
+    }
+    a = " ".join(f'{k}="{html.escape(v, quote=True)}"' for k, v in attrs.items())
+    cells = [("TTFT", _num(d.ttft_ms, ".0f") + " ms", "ttft"), ("tokens/s", _num(d.tps, ".1f"), "tps"),
+             ("ms/token", _num(d.ms_per_token, ".1f"), "mspt"), ("tokens", str(d.tokens), "tokens")]
+    if not compact:
+        cells += [("elapsed", f"{d.elapsed_ms / 1000:.1f} s", "elapsed"), ("runs on", where or "–", "where")]
+    body = "".join(f'<div class="lp-cell lp-{key}"><span class="lp-k">{k}</span>'
+                   f'<span class="lp-v">{html.escape(v)}</span></div>' for k, v, key in cells)
+    source = "" if d.source == "server" else '<span class="lp-src" title="the server sent no timing">app-side timing</span>'
+    note = f'<span class="lp-note">{html.escape(d.note)}</span>' if d.note else ""
+    return (f'<div {a}><div class="lp-head"><span class="lp-state">{d.state}</span>{note}{source}</div>'
+            f'<div class="lp-cells">{body}</div><svg class="lp-spark" viewBox="0 0 200 36" preserveAspectRatio="none">'
+            f'</svg></div>')

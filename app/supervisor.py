@@ -1,0 +1,217 @@
+"""The engine behind the app: a local `laneplay engine` process that is started, watched and restarted,
+or a running OpenAI-compatible server given by URL (our engine on a GPU node, vLLM, llama.cpp, ...).
+
+Both answer the same questions for the UI: what is the engine doing (`state`: loading, compiling,
+warming up, ready, restarting, unreachable, failed), where is it (`url`), and what runs there
+(`info`: model, device, world size, whether it sends our timing).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+
+import httpx
+
+READY = "ready"
+STAGES = {"loading": "loading", "compiling": "compiling", "warming up": "warming up"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Linux: the engine process is killed when the app dies, however it dies."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+
+
+class Engine:
+    """What the UI needs of an engine; subclasses fill `state`, `detail` and `info`."""
+
+    def __init__(self):
+        self.state, self.detail = "loading", "starting the engine"
+        self.info: dict = {}
+        self.url: str = ""
+        self.api_key: str | None = None
+        self.restarts = 0
+        self.pid: int | None = None
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+
+    @property
+    def ready(self) -> bool:
+        return self.state == READY
+
+    def _set(self, state: str, detail: str = "") -> None:
+        with self._changed:
+            self.state, self.detail = state, detail
+            self._changed.notify_all()
+
+    def wait_ready(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while self.state != READY:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(min(left, 0.5))
+        return True
+
+    def status(self) -> dict:
+        return {"state": self.state, "detail": self.detail, "url": self.url, "pid": self.pid,
+                "restarts": self.restarts, **self.info}
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class LocalEngine(Engine):
+    """Runs `laneplay engine` on a free loopback port and keeps it running: when the process dies the
+    state says so, and it is started again after a backoff (1 s, 2 s, 4 s ... at most 30 s)."""
+
+    def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", world_size: int = 1,
+                 compile: bool = True, extra_args: list[str] | None = None):
+        super().__init__()
+        self.model, self.device, self.dtype, self.world_size = model, device, dtype, world_size
+        self.compile, self.extra_args = compile, list(extra_args or [])
+        self.proc: subprocess.Popen | None = None
+        self.log: deque[str] = deque(maxlen=200)  # the engine's last lines of output, for error messages
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._supervise, name="engine-supervisor", daemon=True)
+        self._thread.start()
+
+    def _spawn(self) -> None:
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "laneplay", "engine", "--model", self.model, "--device", self.device,
+               "--dtype", self.dtype, "--world-size", str(self.world_size), "--host", "127.0.0.1",
+               "--port", str(port), "--log-level", "warning", *self.extra_args]
+        if not self.compile:
+            cmd.append("--no-compile")
+        env = dict(os.environ, LANEPLAY_API_KEY="")  # loopback only; the app is the one client
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, bufsize=1, env=env, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
+        self.pid = self.proc.pid
+        threading.Thread(target=self._read_output, args=(self.proc,), daemon=True).start()
+
+    def _read_output(self, proc: subprocess.Popen) -> None:
+        for line in proc.stdout:
+            line = line.rstrip()
+            self.log.append(line)
+            if line.startswith("laneplay-engine-stage:"):
+                stage = line.split(":", 1)[1].strip()
+                if stage in STAGES and self.state != READY:
+                    self._set(STAGES[stage], f"{stage} {self.model}")
+
+    def _supervise(self) -> None:
+        backoff = 1.0
+        while not self._stopping:
+            self._spawn()
+            if self.restarts:
+                self._set("restarting", f"engine restarted ({self.restarts}); loading {self.model}")
+            healthy_since = None
+            while not self._stopping and self.proc.poll() is None:
+                if not self.ready:
+                    info = self._probe()
+                    if info is not None:
+                        self.info = info
+                        self._set(READY, f"{info.get('model', self.model)} on {info.get('device', self.device)}")
+                        healthy_since = time.monotonic()
+                elif healthy_since and time.monotonic() - healthy_since > 60:
+                    backoff = 1.0  # it stayed up: the next crash restarts quickly again
+                time.sleep(0.25 if not self.ready else 0.5)
+            if self._stopping:
+                break
+            code = self.proc.returncode
+            tail = next((ln for ln in reversed(self.log) if ln and not ln.startswith("laneplay-engine-stage")), "")
+            self.restarts += 1
+            self._set("restarting", f"the engine process exited (code {code}){': ' + tail[-200:] if tail else ''}; "
+                                    f"restarting in {backoff:.0f} s")
+            deadline = time.monotonic() + backoff
+            while not self._stopping and time.monotonic() < deadline:
+                time.sleep(0.1)
+            backoff = min(backoff * 2, 30.0)
+
+    def _probe(self) -> dict | None:
+        try:
+            r = httpx.get(self.url + "/health", timeout=1.0)
+            if r.status_code == 200:
+                h = r.json()
+                return {"model": h.get("model"), "device": h.get("device"), "world_size": h.get("world_size", 1),
+                        "context_length": h.get("context_length"), "laneplay": True}
+        except (httpx.HTTPError, ValueError):
+            pass
+        return None
+
+    def stop(self) -> None:
+        self._stopping = True
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._set("stopped", "the engine was stopped")
+
+
+class RemoteEngine(Engine):
+    """An engine someone else runs: polled every few seconds; any OpenAI-compatible server works."""
+
+    def __init__(self, url: str, api_key: str | None = None):
+        super().__init__()
+        base = url.rstrip("/")
+        self.url = base[:-3] if base.endswith("/v1") else base
+        self.api_key = api_key
+        self.state, self.detail = "loading", f"connecting to {self.url}"
+        self._stopping = False
+
+    def start(self) -> None:
+        threading.Thread(target=self._poll, name="engine-poller", daemon=True).start()
+
+    def _poll(self) -> None:
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        while not self._stopping:
+            info = None
+            try:
+                r = httpx.get(self.url + "/health", headers=headers, timeout=3.0)
+                if r.status_code == 200 and isinstance(r.json(), dict) and "queue_depth" in r.json():
+                    h = r.json()
+                    info = {"model": h.get("model"), "device": h.get("device"), "world_size": h.get("world_size", 1),
+                            "context_length": h.get("context_length"), "laneplay": True}
+                else:  # another OpenAI-compatible server: its model list is the health check
+                    m = httpx.get(self.url + "/v1/models", headers=headers, timeout=3.0)
+                    if m.status_code == 200:
+                        data = m.json().get("data") or [{}]
+                        info = {"model": data[0].get("id"), "device": "remote", "world_size": None,
+                                "context_length": None, "laneplay": False}
+                    else:
+                        self._set("unreachable", f"{self.url} answered {m.status_code} to /v1/models")
+            except (httpx.HTTPError, ValueError) as e:
+                self._set("unreachable", f"{self.url} is not reachable ({type(e).__name__})")
+            if info is not None:
+                self.info = info
+                if not self.ready:
+                    self._set(READY, f"{info.get('model')} at {self.url}")
+            time.sleep(1.0 if not self.ready else 3.0)
+
+    def stop(self) -> None:
+        self._stopping = True

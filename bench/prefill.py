@@ -1,0 +1,141 @@
+"""Long prompts: time to first token and prompt tokens/s at 512, 2k and 8k tokens, ours vs transformers.
+
+    python -m laneplay.bench.prefill [--lengths 512,2048,8190] [--rounds 2] [--no-hf]
+
+Same weights (the embedded default model, float32) and identical prompt ids for both engines; each
+run produces exactly one token, so TTFT is the prefill. Ours prefills in chunks (`--chunk`, the
+engine's default 512) and never holds more than chunk x length attention scores; transformers runs
+its SDPA attention over the whole prompt at once. Runs alternate ours / theirs so drift hits both;
+the ratio is the result. Peak RSS growth during each run is reported as well.
+Writes bench/results/prefill-cpu.json.
+"""
+from __future__ import annotations
+
+import argparse
+import resource
+import threading
+import time
+
+import torch
+
+from laneplay.bench.common import load_average, median, print_table, write_json
+
+SNIPPET = "def f{i}(x):\n    return x * {i} + 1\n\n"
+
+
+def prompt_ids(tokenizer, length: int) -> list[int]:
+    ids: list[int] = []
+    i = 0
+    while len(ids) < length:
+        ids += tokenizer.encode(SNIPPET.format(i=i))
+        i += 1
+    return ids[:length]
+
+
+class PeakRSS:
+    """The most this process's resident memory grew during a `with` block (sampled every 5 ms)."""
+
+    def __enter__(self):
+        self.base = self.peak = _rss()
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+        return self
+
+    def _watch(self):
+        while not self.done.wait(0.005):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc):
+        self.done.set()
+        self.thread.join()
+        self.peak = max(self.peak, _rss())
+        self.grew_mb = (self.peak - self.base) / 2**20
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def ours(eng, ids) -> dict:
+    from laneplay.engine import SamplingParams
+
+    with PeakRSS() as mem:
+        t0 = time.perf_counter()
+        for ev in eng.generate(ids, SamplingParams(max_tokens=1, temperature=0.0)):
+            pass
+        ttft = time.perf_counter() - t0
+    return {"ttft_ms": 1000 * ttft, "prompt_tps": len(ids) / ttft, "peak_mb": mem.grew_mb, "token": ev.token_ids}
+
+
+def theirs(model, ids) -> dict:
+    x = torch.tensor([ids])
+    with PeakRSS() as mem, torch.inference_mode():
+        t0 = time.perf_counter()
+        out = model(x, use_cache=True, logits_to_keep=1)
+        token = int(out.logits[0, -1].argmax())
+        ttft = time.perf_counter() - t0
+    return {"ttft_ms": 1000 * ttft, "prompt_tps": len(ids) / ttft, "peak_mb": mem.grew_mb, "token": [token]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lengths", default="512,2048,8190", help="prompt lengths in tokens")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--chunk", type=int, default=512, help="our prefill chunk (tokens)")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers")
+    args = p.parse_args(argv)
+    from laneplay.engine import load_engine
+
+    print(f"load average before: {load_average():.2f} (numbers are only meaningful on a quiet machine)")
+    eng = load_engine("smollm2-135m-instruct", prefill_chunk=args.chunk)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    context = eng.cfg.max_position_embeddings
+    lengths = [min(n, context - 1) for n in lengths]
+    hf = None
+    if not args.no_hf:
+        import transformers
+
+        from laneplay.engine.checkpoint import resolve_checkpoint
+
+        path = resolve_checkpoint("smollm2-135m-instruct")
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                               dtype=torch.float32, attn_implementation="sdpa").eval()
+    warm = prompt_ids(eng.tokenizer, 64)
+    ours(eng, warm)
+    if hf is not None:
+        theirs(hf, warm)
+    rows, raw = [], {}
+    for n in lengths:
+        ids = prompt_ids(eng.tokenizer, n)
+        runs = {"ours": [], "transformers": []}
+        for _ in range(args.rounds):
+            runs["ours"].append(ours(eng, ids))
+            if hf is not None:
+                runs["transformers"].append(theirs(hf, ids))
+        raw[n] = runs
+        for name, rs in runs.items():
+            if rs:
+                rows.append({"engine": name, "prompt": n, "ttft_ms": median([r["ttft_ms"] for r in rs]),
+                             "prompt_tps": median([r["prompt_tps"] for r in rs]),
+                             "peak_mb": max(r["peak_mb"] for r in rs)})
+        if runs["transformers"]:
+            same = runs["ours"][0]["token"] == runs["transformers"][0]["token"]
+            ratio = rows[-1]["ttft_ms"] / rows[-2]["ttft_ms"]
+            rows[-2]["vs_transformers"] = ratio
+            rows[-2]["same_token"] = "yes" if same else "no"
+        print(f"{n} tokens: " + ", ".join(f"{r['engine']} {r['ttft_ms']:.0f} ms" for r in rows[-len(runs):] if r["prompt"] == n))
+    print(f"\nSmolLM2-135M-Instruct, float32, {torch.get_num_threads()} threads, our chunk {args.chunk} tokens; "
+          f"TTFT = prefill + one token\n")
+    print_table(rows, [("engine", "engine", "s"), ("prompt", "prompt tokens", "d"), ("ttft_ms", "TTFT ms", ".0f"),
+                       ("prompt_tps", "prompt tok/s", ".0f"), ("peak_mb", "peak RSS growth MB", ".0f"),
+                       ("vs_transformers", "speed vs transformers", ".2f"), ("same_token", "same first token", "s")])
+    path = write_json("prefill-cpu", {"chunk": args.chunk, "rows": rows,
+                                      "raw": {str(k): v for k, v in raw.items()}, "load_average_after": load_average()})
+    print(f"\nload average after: {load_average():.2f}; wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

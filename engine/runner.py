@@ -1,0 +1,86 @@
+"""The local runner: one `LaneModel` (all lanes, or a DTP rank's slice of them) and its KV cache.
+
+It speaks the runner protocol of `engine.generate.token_steps` (`prefill`, `decode_step`, `pick`),
+and is used unchanged by the single-process engine and by every DTP rank; the only difference is
+the model's `comm` (local sums here, collectives on a rank), which also owns how a step's logits are
+turned into tokens (`comm.pick`: a plain sample locally, a gather of vocab shards on a rank).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from laneplay.engine.generate import token_steps
+from laneplay.engine.model import LaneModel
+from laneplay.engine.runtime import Runtime
+from laneplay.engine.sampling import SamplingParams
+
+
+class LocalRunner:
+    """`prefill` / `decode_step` / `pick` over one model in this process, plus whole-request helpers."""
+
+    def __init__(self, model: LaneModel, runtime: Runtime):
+        self.model, self.runtime = model, runtime
+        self.cfg, self.comm = model.cfg, model.comm
+        self.device = model.device
+        self.world_size = runtime.world_size
+        self.cache = None
+        if runtime.compile:
+            self.compile()
+
+    # -- the runner protocol of token_steps --
+    @torch.inference_mode()
+    def prefill(self, ids: Tensor, n: int, max_seq_len: int, should_stop=None) -> Tensor | None:
+        """Prompt at batch 1 into a fresh cache, copied to n samples; last-token logits [n, V] (a shard on a
+        rank), or None when `should_stop()` ended it between chunks."""
+        logits, self.cache = self.model.prefill(ids, n, max_seq_len, should_stop, chunk=self.runtime.prefill_chunk)
+        return logits
+
+    @torch.inference_mode()
+    def decode_step(self, tokens: Tensor, pos: int) -> Tensor:
+        """One token per sample at position pos: tokens [n, 1] -> logits [n, V] (a shard on a rank)."""
+        t0 = time.perf_counter()
+        out = self.model.decode(tokens, pos, self.cache)
+        self.comm.note_step(t0, time.perf_counter())
+        return out
+
+    @torch.inference_mode()
+    def pick(self, logits: Tensor, params: SamplingParams, generators) -> Tensor:
+        return self.comm.pick(logits, params, generators)
+
+    # -- whole requests --
+    def token_steps(self, ids: list[int], params: SamplingParams, seeds: list[int], eos_ids: set[int],
+                    should_stop: Callable[[], bool] | None = None) -> Iterator[tuple[list[int], float]]:
+        """(one new token per sample, time) per step; the KV cache is freed when the request ends."""
+        try:
+            yield from token_steps(self, ids, params, eos_ids, seeds, should_stop)
+        finally:
+            self.cache = None
+
+    @torch.inference_mode()
+    def logits(self, ids: Tensor) -> Tensor:
+        """Full causal forward without a cache: ids [B, S] -> float32 logits [B, S, V] (whole vocabulary)."""
+        local = self.model(ids.to(self.device), pos=0, cache=None)
+        return self.comm.gather_logits(local)[0]
+
+    # -- speed path --
+    def compile(self) -> None:
+        """Compile the decode blocks and pay the compile cost now, never inside a request."""
+        self.model.compile_blocks()
+        self.warm_up()
+
+    @torch.inference_mode()
+    def warm_up(self, batches: tuple[int, ...] = (1, 2)) -> None:
+        """Run the decode step at each batch size and at two positions (compiles both shape cases)."""
+        ids = torch.ones(1, 4, dtype=torch.long, device=self.device)
+        for n in batches:
+            self.prefill(ids, n, 8)
+            for pos in (4, 5, 6):
+                self.decode_step(torch.ones(n, 1, dtype=torch.long, device=self.device), pos)
+        self.cache = None
+
+    def close(self) -> None:
+        self.model = self.cache = None

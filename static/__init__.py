@@ -1,0 +1,1 @@
+"""Static assets the web app serves at /static/lp/ (the meter script, stylesheets); no CDN."""
