@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import html
+import itertools
 from dataclasses import asdict
 
 import gradio as gr
@@ -47,6 +48,7 @@ def stored_meter(session: dict, note: str) -> dict | None:
 
 def build(ctx: AppContext, session_id: gr.State, pg: dict, tabs: gr.Tabs) -> dict:
     gr.Markdown("Sessions of this browser (kept in the app's database; other browsers never see them).")
+    count = gr.HTML('<span id="history-count" data-count="" data-seq="0"></span>', elem_id="history-count-box")
     ids = gr.State([])
     selected = gr.State(None)
     table = gr.Dataframe(headers=COLUMNS, value=[], interactive=False, elem_id="history", wrap=True,
@@ -64,9 +66,14 @@ def build(ctx: AppContext, session_id: gr.State, pg: dict, tabs: gr.Tabs) -> dic
         revoke_btn = gr.Button("Revoke link", elem_id="revoke", scale=1)
     notice = gr.Markdown("", elem_id="history-notice")
 
+    refreshes = itertools.count(1)
+
     def refresh(request: gr.Request):
         table_rows, session_ids = rows(ctx, owner_of(request))
-        return table_rows, session_ids
+        n = len(session_ids)
+        summary = (f'<span id="history-count" data-count="{n}" data-seq="{next(refreshes)}">'
+                   f'{n} session{"s" if n != 1 else ""}</span>')
+        return table_rows, session_ids, summary
 
     def pick(session_ids, evt: gr.SelectData, request: gr.Request):
         row = evt.index[0] if isinstance(evt.index, (list, tuple)) else evt.index
@@ -115,11 +122,13 @@ def build(ctx: AppContext, session_id: gr.State, pg: dict, tabs: gr.Tabs) -> dic
                 render(MeterData(**record)) if record else gr.update(), record or {}, "",
                 gr.Tabs(selected="playground"))
 
-    table.select(pick, [ids], [selected, title, links, link_choice])
-    rename_btn.click(rename, [selected, title], [notice]).then(refresh, None, [table, ids])
-    delete_btn.click(delete, [selected], [notice, selected]).then(refresh, None, [table, ids])
-    revoke_btn.click(revoke, [selected, link_choice], [notice, links, link_choice]).then(refresh, None, [table, ids])
+    quiet = {"show_progress": "hidden"}  # no progress timers inside the notice or the table
+    reload = (refresh, None, [table, ids, count])
+    table.select(pick, [ids], [selected, title, links, link_choice], **quiet)
+    rename_btn.click(rename, [selected, title], [notice], **quiet).then(*reload, **quiet)
+    delete_btn.click(delete, [selected], [notice, selected], **quiet).then(*reload, **quiet)
+    revoke_btn.click(revoke, [selected, link_choice], [notice, links, link_choice], **quiet).then(*reload, **quiet)
     open_btn.click(open_session, [selected], [session_id, pg["code"], pg["instruction"], pg["temperature"],
                                               pg["top_p"], pg["top_k"], pg["max_tokens"], pg["output"], pg["meter"],
-                                              pg["last"], notice, tabs])
-    return {"table": table, "ids": ids, "refresh": refresh}
+                                              pg["last"], notice, tabs], show_progress="hidden")
+    return {"table": table, "ids": ids, "count": count, "refresh": refresh}

@@ -34,7 +34,9 @@ def _num(x: float | None, fmt: str) -> str:
     return "–" if x is None else format(x, fmt)
 
 
-def render(d: MeterData, elem_id: str = "meter", compact: bool = False) -> str:
+def render(d: MeterData, elem_id: str = "meter", compact: bool = False, resting: bool = False) -> str:
+    """The meter element. `resting`: no request behind it; meter.js then keeps its state in step with
+    the engine's (`loading` until the engine is ready, then `idle`)."""
     assert d.state in STATES, d.state
     lat = d.latencies_ms[-MAX_SPARK_POINTS:]
     where = ""
@@ -48,6 +50,8 @@ def render(d: MeterData, elem_id: str = "meter", compact: bool = False) -> str:
         "data-elapsed-ms": f"{d.elapsed_ms:.0f}", "data-source": d.source,
         "data-latencies": ",".join(f"{x:.1f}" for x in lat),
     }
+    if resting:
+        attrs["data-resting"] = "1"
     a = " ".join(f'{k}="{html.escape(v, quote=True)}"' for k, v in attrs.items())
     cells = [("TTFT", _num(d.ttft_ms, ".0f") + " ms", "ttft"), ("tokens/s", _num(d.tps, ".1f"), "tps"),
              ("ms/token", _num(d.ms_per_token, ".1f"), "mspt"), ("tokens", str(d.tokens), "tokens")]

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import asyncio
 import html
+import itertools
 import time
+from contextlib import aclosing
 from dataclasses import asdict
 
 import gradio as gr
@@ -22,7 +24,11 @@ EXAMPLE_INSTRUCTION = "Write a Python function is_palindrome(s) that ignores cas
 
 
 def error_html(message: str) -> str:
-    return f'<div class="lp-error" role="alert">{html.escape(message)}</div>' if message else ""
+    """The visible error line: our own element `#error` (empty when there is nothing wrong)."""
+    if not message:
+        return '<div id="error" class="lp-error-none"></div>'
+    return f'<div id="error" class="lp-error" role="alert">{html.escape(message)}</div>'
+
 
 
 def engine_line(ctx: AppContext) -> str:
@@ -35,7 +41,8 @@ def engine_line(ctx: AppContext) -> str:
         if not info.get("laneplay", True):
             where += " · no server timing: the meter times the stream here"
     detail = "" if e.ready else f" — {html.escape(e.detail)}"
-    return (f'<div class="lp-engine" id="engine-status" data-state="{html.escape(e.state)}">engine: '
+    return (f'<div class="lp-engine" id="engine-status" data-state="{html.escape(e.state)}" '
+            f'data-detail="{html.escape(e.detail)}">engine: '
             f'<b data-state="{html.escape(e.state)}">{html.escape(e.state)}</b>{html.escape(where)}{detail}</div>')
 
 
@@ -43,9 +50,13 @@ def idle_meter(ctx: AppContext) -> str:
     e = ctx.engine
     info = e.info or {}
     if not e.ready:
-        return render(MeterData(state="loading", note=e.detail))
+        return render(MeterData(state="loading", note=e.detail), resting=True)
     return render(MeterData(state="idle", device=info.get("device"), world_size=info.get("world_size"),
-                            source="server" if info.get("laneplay", True) else "app"))
+                            source="server" if info.get("laneplay", True) else "app"), resting=True)
+
+
+def _page_key(request) -> str:
+    return getattr(request, "session_hash", None) or str(id(request))
 
 
 def session_title(code: str, instruction: str) -> str:
@@ -74,22 +85,24 @@ def build(ctx: AppContext, session_id: gr.State) -> dict:
                     top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Top-p", elem_id="top-p",
                                       interactive=True)
                 with gr.Row():
-                    top_k = gr.Number(value=0, label="Top-k (0 = off)", precision=0, minimum=0, elem_id="top-k",
+                    top_k = gr.Number(value=0, label="Top-k (0 = off)", precision=0, elem_id="top-k",
                                       interactive=True, min_width=80)
-                    max_tokens = gr.Number(value=256, label="Max tokens", precision=0, minimum=1, elem_id="max-tokens",
+                    max_tokens = gr.Number(value=256, label="Max tokens", precision=0, elem_id="max-tokens",
                                            interactive=True, min_width=80)
-                    seed = gr.Number(value=0, label="Seed", precision=0, minimum=0, elem_id="seed",
+                    seed = gr.Number(value=0, label="Seed", precision=0, elem_id="seed",
                                      interactive=True, min_width=80)
                 stops = gr.Textbox(value="", label="Stop strings (one per line; \\n for a newline)", lines=1,
                                    max_lines=4, elem_id="stop-strings", interactive=True)
         with gr.Column(scale=6):
             engine_status = gr.HTML(engine_line(ctx), elem_id="engine-box")
-            meter = gr.HTML(render(MeterData(state="loading", note="starting")), elem_id="meter-box")
-            error = gr.Markdown("", elem_id="error")
+            meter = gr.HTML(render(MeterData(state="loading", note="starting"), resting=True), elem_id="meter-box")
+            error = gr.HTML(error_html(""), elem_id="error-box")
             output = gr.Code(value="", language="python", label="Output", elem_id="output", interactive=False,
                              lines=16, max_lines=40)
             share_box = gr.HTML("", elem_id="share-box")
     busy = gr.State(False)
+    current: dict = {}  # page (Gradio session) -> id of the one generation that may run there
+    generation_ids = itertools.count(1)
     last = gr.State({})  # the last meter record of this page (the Stop button renders it as stopped)
 
     async def run(code_text, instruction_text, mode_value, temp, tp, tk, mt, sd, stop_text, sid, request: gr.Request):
@@ -109,16 +122,30 @@ def build(ctx: AppContext, session_id: gr.State) -> dict:
             yield text, render(bad), error_html("This browser has no session cookie; reload the page."), sid, \
                 False, asdict(bad)
             return
-        yield "", render(MeterData(state="queued" if ctx.engine.ready else "loading", note=ctx.engine.detail)), "", \
-            sid, True, {}
+        page = _page_key(request)
+        me = next(generation_ids)
+        current[page] = me  # a generation still running in this page sees it is superseded and ends quietly
+        async with aclosing(_run(code_text, instruction_text, mode_value, params, sid, owner, (page, me))) as updates:
+            async for update in updates:
+                yield update
+
+    async def _run(code_text, instruction_text, mode_value, params, sid, owner, who):
+        page, me = who
+        text = ""
+        yield "", render(MeterData(state="queued" if ctx.engine.ready else "loading", note=ctx.engine.detail)), \
+            error_html(""), sid, True, {}
         waited = time.monotonic()
         while not ctx.engine.ready:  # the engine is loading or restarting: wait for it, saying what it does
+            if current.get(page) != me:
+                if page not in current:  # Stop (not a newer Generate): say so
+                    yield "", render(MeterData(state="done", note="stopped")), error_html(""), sid, False, {}
+                return
             if time.monotonic() - waited > ENGINE_WAIT_S:
                 yield "", render(MeterData(state="error")), error_html(
                     f"The engine is not ready ({ctx.engine.state}: {ctx.engine.detail})."), sid, False, {}
                 return
-            yield "", render(MeterData(state="loading", note=f"{ctx.engine.state}: {ctx.engine.detail}")), "", sid, \
-                True, {}
+            yield "", render(MeterData(state="loading", note=f"{ctx.engine.state}: {ctx.engine.detail}")), \
+                error_html(""), sid, True, {}
             await asyncio.sleep(0.5)
         info = ctx.engine.info or {}
         body, chat = request_body(mode_value, code_text, instruction_text, params, None)
@@ -127,8 +154,35 @@ def build(ctx: AppContext, session_id: gr.State) -> dict:
                                source="server" if info.get("laneplay", True) else "app")
         finish, server_timing, failure, usage = None, None, None, None
         last_push = 0.0
+        events: asyncio.Queue = asyncio.Queue()
+
+        async def pump():  # the engine's stream, read in its own task so that Stop never waits for a token
+            try:
+                async for item in ctx.client().stream(body, chat):
+                    await events.put(item)
+            except EngineError as e:
+                await events.put(e)
+            await events.put(None)
+
+        reader = asyncio.create_task(pump())
         try:
-            async for ev in ctx.client().stream(body, chat):
+            while True:
+                try:
+                    ev = await asyncio.wait_for(events.get(), 0.1)
+                except asyncio.TimeoutError:
+                    ev = False
+                if current.get(page) != me:  # Stop or a newer Generate: end here; cancelling the reader
+                    finish = "cancelled"       # closes the stream, which the engine takes as a cancel
+                    break
+                if ev is False:
+                    continue
+                if ev is None:
+                    break
+                if isinstance(ev, EngineError):
+                    failure = ev.message
+                    if ev.kind == "unreachable" and not ctx.engine.ready:
+                        failure += f" The engine is {ctx.engine.state}: {ctx.engine.detail}."
+                    break
                 if ev.kind == "queued":
                     meter_data.state, meter_data.note = "queued", f"position {ev.position} in the engine's queue"
                 elif ev.kind == "running":
@@ -146,15 +200,13 @@ def build(ctx: AppContext, session_id: gr.State) -> dict:
                 now = time.monotonic()
                 if ev.kind != "delta" or now - last_push >= UPDATE_EVERY_S:
                     last_push = now
-                    yield text, render(meter_data), "", sid, True, asdict(meter_data)
-        except EngineError as e:
-            failure = e.message
-            if e.kind == "unreachable" and not ctx.engine.ready:
-                failure += f" The engine is {ctx.engine.state}: {ctx.engine.detail}."
-        except asyncio.CancelledError:  # Stop: leaving this block closed the stream; the engine cancels
-            finish = "cancelled"
-            _store(ctx, sid, owner, code_text, instruction_text, params, mode_value, text, timer, None, finish, info)
-            raise
+                    yield text, render(meter_data), error_html(""), sid, True, asdict(meter_data)
+        finally:  # done, Stop, or the page went away: the stream is closed either way
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+            if current.get(page) == me:
+                del current[page]
+        superseded = finish == "cancelled" and page in current  # a newer Generate of this page took over
         meter_data.elapsed_ms = timer.elapsed_ms()
         if failure is not None:
             meter_data.state, meter_data.note = "error", ""
@@ -172,7 +224,13 @@ def build(ctx: AppContext, session_id: gr.State) -> dict:
             meter_data.world_size = server_timing.get("world_size", meter_data.world_size)
         else:
             meter_data.source = "app"
-        meter_data.state, meter_data.note = "done", f"finish: {finish or 'stop'}"
+        meter_data.state = "done"
+        meter_data.note = "stopped" if finish == "cancelled" else f"finish: {finish or 'stop'}"
+        if superseded:  # keep what was made, say nothing: the page shows the newer request
+            if text:
+                _store(ctx, sid, owner, code_text, instruction_text, params, mode_value, text, timer, None,
+                       finish, info, meter_data)
+            return
         try:
             server = dict(per_choice[0]) if per_choice else {}
             server["prompt_tokens"] = (usage or {}).get("prompt_tokens") or 0
@@ -183,17 +241,17 @@ def build(ctx: AppContext, session_id: gr.State) -> dict:
             problem = f"The generation was not stored: {e}"
         yield text, render(meter_data), error_html(problem), sid, False, asdict(meter_data)
 
-    event = generate.click(run, [code, instruction, mode, temperature, top_p, top_k, max_tokens, seed, stops,
+    generate.click(run, [code, instruction, mode, temperature, top_p, top_k, max_tokens, seed, stops,
                                  session_id], [output, meter, error, session_id, busy, last],
-                           concurrency_limit=None, api_name="generate")
+                           concurrency_limit=None, api_name="generate", show_progress="hidden",
+                           trigger_mode="multiple")
 
-    def stopped(last_record):
-        d = MeterData(**{**last_record, "state": "done", "note": "stopped"}) if last_record else \
-            MeterData(state="idle", note="stopped")
-        return render(d), False, asdict(d)
+    def stop_now(request: gr.Request):
+        """Stop: the running generation of this page ends at once and says so (see `_run`)."""
+        current.pop(_page_key(request), None)
 
-    stop.click(stopped, [last], [meter, busy, last], cancels=[event], api_name="stop")
-    insert.click(lambda out, cur: out if out.strip() else cur, [output, code], [code], api_name="insert")
+    stop.click(stop_now, None, None, api_name="stop", show_progress="hidden", queue=False)
+    insert.click(lambda out, cur: out if out.strip() else cur, [output, code], [code], api_name="insert", show_progress="hidden")
 
     def make_share(sid, request: gr.Request):
         owner = owner_of(request)
@@ -208,26 +266,16 @@ def build(ctx: AppContext, session_id: gr.State) -> dict:
         return (f'<div class="lp-share">Read-only link (anyone with it can view this snapshot): '
                 f'<a id="share-link" href="{html.escape(url)}" target="_blank" rel="noreferrer">{html.escape(url)}</a> '
                 f'<button class="lp-copy" onclick="navigator.clipboard.writeText(\'{html.escape(url)}\')">copy</button>'
-                f'</div>'), ""
+                f'</div>'), error_html("")
 
-    share.click(make_share, [session_id], [share_box, error], api_name="share")
+    share.click(make_share, [session_id], [share_box, error], api_name="share", show_progress="hidden")
 
-    def tick(is_busy, last_record):
-        """Once a second: the engine's state line; when idle, the meter's resting state, and an engine that
-        went away as an error (a running request reports its own)."""
-        if is_busy:
-            return engine_line(ctx), gr.update(), gr.update()
-        e = ctx.engine
-        problem = gr.update()
-        if e.state in ("restarting", "unreachable", "failed", "stopped"):
-            what = "The app is starting it again." if e.state == "restarting" else ""
-            problem = error_html(f"The engine is {e.state}: {e.detail}. {what}".strip())
-        if not e.ready or not last_record:
-            return engine_line(ctx), idle_meter(ctx), problem
-        return engine_line(ctx), render(MeterData(**last_record)), problem  # the last result stays on show
+    def tick():
+        """Once a second, the engine's state line. It never touches the meter or the error line (a running
+        request owns those); meter.js follows this line for a resting meter and a lost engine."""
+        return engine_line(ctx)
 
-    gr.Timer(1.0).tick(tick, [busy, last], [engine_status, meter, error], concurrency_limit=None,
-                       show_progress="hidden")
+    gr.Timer(1.0).tick(tick, None, [engine_status], concurrency_limit=None, show_progress="hidden")
     return {"code": code, "instruction": instruction, "mode": mode, "temperature": temperature, "top_p": top_p,
             "top_k": top_k, "max_tokens": max_tokens, "seed": seed, "stops": stops, "output": output,
             "meter": meter, "error": error, "share_box": share_box, "busy": busy, "last": last}

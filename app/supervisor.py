@@ -119,7 +119,10 @@ class LocalEngine(Engine):
             if line.startswith("laneplay-engine-stage:"):
                 stage = line.split(":", 1)[1].strip()
                 if stage in STAGES and self.state != READY:
-                    self._set(STAGES[stage], f"{stage} {self.model}")
+                    if self.restarts:  # after a crash the state stays "restarting" until it is back
+                        self._set("restarting", f"restart {self.restarts}: {stage} {self.model}")
+                    else:
+                        self._set(STAGES[stage], f"{stage} {self.model}")
 
     def _supervise(self) -> None:
         backoff = 1.0
@@ -160,6 +163,12 @@ class LocalEngine(Engine):
         except (httpx.HTTPError, ValueError):
             pass
         return None
+
+    def status(self) -> dict:
+        out = super().status()
+        if not self.ready:  # what the engine said last, for the operator
+            out["log_tail"] = [ln for ln in list(self.log)[-5:]]
+        return out
 
     def stop(self) -> None:
         self._stopping = True

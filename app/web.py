@@ -45,7 +45,7 @@ def build_ui(ctx: AppContext) -> gr.Blocks:
                 pg = playground.build(ctx, session_id)
             with gr.Tab("History", id="history", elem_id="tab-history") as history_tab:
                 hist = history.build(ctx, session_id, pg, tabs)
-        history_tab.select(hist["refresh"], None, [hist["table"], hist["ids"]])
+        history_tab.select(hist["refresh"], None, [hist["table"], hist["ids"], hist["count"]], show_progress="hidden")
 
         def on_load(request: gr.Request):
             """A fork lands on /?session=<id>: open it when this browser owns it."""
@@ -58,7 +58,8 @@ def build_ui(ctx: AppContext) -> gr.Blocks:
             text = s["generations"][-1]["text"] if s["generations"] else ""
             return sid, s["code"], s["instruction"], text, meter, record
 
-        demo.load(on_load, None, [session_id, pg["code"], pg["instruction"], pg["output"], pg["meter"], pg["last"]])
+        demo.load(on_load, None, [session_id, pg["code"], pg["instruction"], pg["output"], pg["meter"], pg["last"]],
+                  show_progress="hidden")
     demo.queue(default_concurrency_limit=None, max_size=256)
     return demo
 
@@ -105,7 +106,7 @@ def create_app(ctx: AppContext) -> FastAPI:
     head = (f'<link rel="stylesheet" href="{STATIC_URL}/laneplay.css">'
             f'<script src="{STATIC_URL}/meter.js" defer></script>')
     return gr.mount_gradio_app(app, build_ui(ctx), path="/", head=head, theme=THEME, footer_links=[],
-                               css=".lp-title{font-size:18px;padding:2px 0} #error:empty{display:none}")
+                               css=".lp-title{font-size:18px;padding:2px 0}")
 
 
 # ---- the share page (plain HTML: no Gradio, nothing to load but our stylesheet and script) -------------
@@ -134,7 +135,7 @@ def share_page(token: str, snap: dict) -> str:
         meter = render(MeterData(state="done", tokens=g["completion_tokens"] or 0, tps=g["decode_tokens_per_second"],
                                  ttft_ms=g["ttft_ms"], ms_per_token=g["ms_per_token"], device=g["device"],
                                  world_size=g["world_size"], note=f"finish: {g['finish_reason'] or '–'}"),
-                       elem_id="meter" if i == 0 else f"meter-{i}")
+                       elem_id="meter" if i == 0 else f"meter-{i}", compact=True)
         outputs.append(f"<section class='lp-gen'><h3>Output {len(gens) - i} · seed {esc(str(g['seed']))} · "
                        f"temperature {esc(str(g['temperature']))}</h3>{meter}"
                        f"<pre class='lp-code' {'id=output' if i == 0 else ''}>{esc(g['text'])}</pre></section>")

@@ -84,6 +84,31 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return torch.matmul(probs, v).reshape(N, hq, 1, hd)
 
 
+def chunk_attention(q: Tensor, k: Tensor, v: Tensor, past: tuple[Tensor, Tensor] | None) -> Tensor:
+    """A prompt chunk's attention on CPU: causal among its own S tokens, and over all of `past` (the
+    cached keys/values of the positions before it). q [N, Hq, S, hd]; k, v [N, Hkv, S, hd].
+
+    Two flash-attention calls merged by their log-sum-exps, so no mask is built and no masked-out score
+    is computed. For the past, each KV head's query heads are folded into one longer query sequence
+    (GQA without copying the cache), which is also why this beats one masked call.
+    """
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    N, hq, S, hd = q.shape
+    hkv = k.shape[1]
+    rep = hq // hkv
+    own_k = k.repeat_interleave(rep, 1) if rep > 1 else k
+    own_v = v.repeat_interleave(rep, 1) if rep > 1 else v
+    o_own, lse_own = flash(q, own_k, own_v, is_causal=True)[:2]
+    if past is None or past[0].shape[2] == 0:
+        return o_own
+    o_past, lse_past = flash(q.reshape(N, hkv, rep * S, hd), past[0], past[1])[:2]
+    o_past, lse_past = o_past.reshape(N, hq, S, hd), lse_past.reshape(N, hq, S)
+    top = torch.maximum(lse_own, lse_past)
+    w_own, w_past = (lse_own - top).exp().unsqueeze(-1), (lse_past - top).exp().unsqueeze(-1)
+    out = (o_own.float() * w_own + o_past.float() * w_past) / (w_own + w_past)
+    return out.to(q.dtype)
+
+
 def project_qkv(x: Tensor, wqkv: Tensor, cos: Tensor, sin: Tensor, cfg: ModelConfig):
     """Normed x [L, B, S, D] -> q [L*B, Hq_l, S, hd], k, v [L*B, Hkv_l, S, hd]; RoPE on q and k."""
     L, B, S, _ = x.shape
@@ -261,6 +286,12 @@ class LaneModel(nn.Module):
         L, B, S, _ = x.shape
         q, k, v = project_qkv(x, w.wqkv, self.cos[pos:pos + S], self.sin[pos:pos + S], cfg)
         window = cfg.window(i)
+        if cache is not None and not window and x.device.type == "cpu":
+            past = (cache.k[i][:, :, :pos], cache.v[i][:, :, :pos]) if pos > 0 else None
+            o = chunk_attention(q, k, v, past)
+            cache.k[i][:, :, pos:pos + S] = k  # full-attention layers: slot = position
+            cache.v[i][:, :, pos:pos + S] = v
+            return lane_linear(o.transpose(1, 2).reshape(L, B, S, -1), w.wo)
         if cache is not None:
             k, v, mask = self._prefill_cache(i, k, v, pos, cache, window)
         elif pos == 0 and (not window or S <= window):

@@ -58,3 +58,42 @@
   }).observe(document.documentElement, { childList: true, subtree: true });
   setInterval(tick, 100);
 })();
+
+// A resting meter (no request behind it) and the error line follow the engine's state line, which the
+// server refreshes every second: `loading` until the engine is ready, then `idle`; an engine that went
+// away shows in #error until it is back (a request's own messages are never overwritten).
+(function () {
+  "use strict";
+  var DOWN = { restarting: 1, unreachable: 1, failed: 1, stopped: 1 };
+  function follow() {
+    var es = document.getElementById("engine-status");
+    if (!es) return;
+    var state = es.getAttribute("data-state"), detail = es.getAttribute("data-detail") || "";
+    document.querySelectorAll(".lp-meter[data-resting]").forEach(function (m) {
+      var want = state === "ready" ? "idle" : "loading";
+      if (m.getAttribute("data-state") === want) return;
+      m.setAttribute("data-state", want);
+      var label = m.querySelector(".lp-state");
+      if (label) label.textContent = want;
+      var note = m.querySelector(".lp-note");
+      if (note) note.textContent = want === "loading" ? state + ": " + detail : "";
+    });
+    var err = document.getElementById("error");
+    if (!err) return;
+    var mine = err.getAttribute("data-source") === "engine";
+    if (DOWN[state] && (mine || !err.textContent.trim())) {
+      var text = "The engine is " + state + ": " + detail + (state === "restarting" ? " The app is starting it again." : "");
+      if (err.textContent !== text) {
+        err.textContent = text;
+        err.className = "lp-error";
+        err.setAttribute("role", "alert");
+        err.setAttribute("data-source", "engine");
+      }
+    } else if (!DOWN[state] && mine) {
+      err.textContent = "";
+      err.className = "lp-error-none";
+      err.removeAttribute("data-source");
+    }
+  }
+  setInterval(follow, 250);
+})();

@@ -1,0 +1,145 @@
+"""Browser tests: Python Playwright driving Debian's chromium against a real `laneplay serve`.
+
+The server (with its local engine, the embedded default model) starts once per test module. Every
+request a page makes is recorded; anything not addressed to 127.0.0.1 is aborted and fails the test.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ARGS = ["--no-sandbox", "--headless=new", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-default-apps",
+        "--disable-extensions", "--metrics-recording-only", "--mute-audio"]
+SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
+VIEWPORT = {"width": 1280, "height": 900}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, url: str, proc: subprocess.Popen, log: Path):
+        self.url, self.proc, self.log = url, proc, log
+
+    def status(self) -> dict:
+        with urllib.request.urlopen(self.url + "/api/status", timeout=5) as r:
+            return json.loads(r.read())
+
+    def wait_ready(self, timeout: float = 240) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                st = self.status()
+                if st["state"] == "ready":
+                    return st
+            except OSError:
+                pass
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            time.sleep(0.25)
+        raise AssertionError(f"the engine was not ready in {timeout} s:\n{self.log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    if not os.path.exists(CHROMIUM):
+        pytest.fail("chromium is required for the browser tests (the Makefile installs it with apt-get)")
+    data = tmp_path_factory.mktemp("app-data")
+    port = _free_port()
+    log = data / "serve.log"
+    env = dict(os.environ, LANEPLAY_DATA_DIR=str(data), GRADIO_ANALYTICS_ENABLED="False", HF_HUB_OFFLINE="1")
+    env.pop("LANEPLAY_DATABASE_URL", None)
+    started = time.monotonic()
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "laneplay", "serve", "--port", str(port), "--no-compile"],
+                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    srv = Server(f"http://127.0.0.1:{port}", proc, log)
+    deadline = time.monotonic() + 60
+    while True:  # the page must answer long before the engine is ready
+        try:
+            with urllib.request.urlopen(srv.url + "/", timeout=5) as r:
+                assert r.status == 200
+                break
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+    srv.page_answered_s = time.monotonic() - started
+    yield srv
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(20)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    pw = sync_playwright().start()
+    b = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+    yield b
+    b.close()
+    pw.stop()
+
+
+class Recorder:
+    """Every request of a browser context: each host is recorded; a route aborts and lists any request
+    that does not go to 127.0.0.1 (loopback requests are not intercepted, so streams flow untouched)."""
+
+    def __init__(self):
+        self.hosts: set[str] = set()
+        self.outside: list[str] = []
+
+    def attach(self, ctx) -> None:
+        ctx.on("request", lambda req: self.hosts.add(urlsplit(req.url).hostname or req.url[:40]))
+        ctx.route(lambda url: (urlsplit(url).hostname or "") != "127.0.0.1", self.block)
+
+    def block(self, route):
+        self.outside.append(route.request.url)
+        return route.abort()
+
+    def check(self) -> None:
+        assert self.outside == [] and self.hosts <= {"127.0.0.1"}, (self.outside[:5], self.hosts)
+
+
+@pytest.fixture
+def new_context(browser):
+    """new_context() -> (context, recorder); every context is checked for outside requests at the end."""
+    made = []
+
+    def make():
+        ctx = browser.new_context(viewport=VIEWPORT)
+        rec = Recorder()
+        rec.attach(ctx)
+        made.append((ctx, rec))
+        return ctx, rec
+
+    yield make
+    for ctx, rec in made:
+        ctx.close()
+    for _, rec in made:
+        rec.check()
+
+
+def screenshot(page, name: str) -> Path:
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    path = SCREENSHOTS / f"{name}.png"
+    page.screenshot(path=str(path))
+    return path

@@ -1,0 +1,240 @@
+"""The Playground and History tabs and share links, in a real browser against a real `laneplay serve`."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+import urllib.request
+
+import pytest
+
+from .conftest import screenshot
+
+pytestmark = pytest.mark.slow
+INSTRUCTION = "Write a Python function add(a, b) that returns the sum of a and b."
+LONG = "Write twenty different Python functions, each with a docstring and type hints."
+
+
+def meter(page, elem="#meter") -> dict:
+    return page.eval_on_selector(elem, "m => ({state: m.dataset.state, tokens: Number(m.dataset.tokens), "
+                                       "tps: Number(m.dataset.tps || 0), ttft: Number(m.dataset.ttftMs || 0)})")
+
+
+def wait_state(page, states, timeout=120.0, elem="#meter") -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = meter(page, elem)
+        if m["state"] in states:
+            return m
+        time.sleep(0.05)
+    raise AssertionError(f"{elem} never reached {states}; it is {meter(page, elem)}")
+
+
+def output_text(page) -> str:
+    return page.eval_on_selector("#output .cm-content", "el => el.cmTile ? el.cmTile.view.state.doc.toString() "
+                                                          ": el.innerText")
+
+
+def open_playground(new_context, server):
+    ctx, rec = new_context()
+    page = ctx.new_page()
+    page.goto(server.url + "/")
+    page.wait_for_selector("#meter")
+    return ctx, rec, page
+
+
+def set_field(page, elem_id: str, value: str) -> None:
+    box = page.locator(f"#{elem_id} input").first if page.locator(f"#{elem_id} input").count() else \
+        page.locator(f"#{elem_id} textarea").first
+    box.fill(value)
+    box.press("Tab")
+
+
+def generate(page, instruction=INSTRUCTION, max_tokens=48, code="def add(a, b):\n"):
+    page.locator("#code .cm-content").fill(code)
+    page.locator("#instruction textarea").fill(instruction)
+    set_field(page, "max-tokens", str(max_tokens))
+    page.click("#generate")
+
+
+def history_rows(page) -> list[str]:
+    """Opens History (which reloads the list) and returns its rows' texts once the reload has landed."""
+    before = page.get_attribute("#history-count", "data-seq") if page.locator("#history-count").count() else "0"
+    page.get_by_role("tab", name="Playground").click()
+    page.get_by_role("tab", name="History").click()
+    page.wait_for_function(f"() => document.querySelector('#history-count') && "
+                           f"document.querySelector('#history-count').dataset.seq !== '{before}'")
+    count = int(page.get_attribute("#history-count", "data-count"))
+    page.wait_for_function(f"() => document.querySelectorAll('#history [role=row]:not([aria-rowindex=\"1\"])')"
+                           f".length >= {count}")
+    rows = page.locator('#history [role=row]:not([aria-rowindex="1"])')  # body rows (1 is the header)
+    return [t for t in rows.all_inner_texts() if t.strip()]
+
+
+@pytest.fixture(scope="module")
+def owner(browser, server):
+    """One browser context that owns sessions across the tests of this module."""
+    from .conftest import VIEWPORT, Recorder
+
+    ctx = browser.new_context(viewport=VIEWPORT)
+    rec = Recorder()
+    rec.attach(ctx)
+    page = ctx.new_page()
+    page.goto(server.url + "/")
+    page.wait_for_selector("#meter")
+    yield ctx, rec, page
+    ctx.close()
+    rec.check()
+
+
+def test_the_page_answers_at_once_and_says_the_engine_is_loading(server, owner):
+    _, _, page = owner
+    assert server.page_answered_s < 15, f"the page took {server.page_answered_s:.1f} s to answer"
+    first = meter(page)["state"]
+    assert first in ("loading", "idle")  # loading unless the engine was already up
+    server.wait_ready()
+    assert wait_state(page, ["idle"], timeout=30)["state"] == "idle"
+    assert "ready" in page.inner_text("#engine-status")
+
+
+def test_generate_streams_into_output_with_a_live_meter(server, owner):
+    _, rec, page = owner
+    generate(page)
+    live = None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        m = meter(page)
+        if m["state"] == "running" and m["tps"] > 0 and output_text(page).strip():
+            live = m
+            screenshot(page, "playground-streaming")
+            break
+        assert m["state"] != "done", "the request ended before the meter showed a running rate"
+        time.sleep(0.03)
+    assert live is not None
+    done = wait_state(page, ["done", "error"])
+    assert done["state"] == "done", page.inner_text("#error")
+    assert done["tokens"] >= live["tokens"] and done["tps"] > 0 and done["ttft"] > 0
+    assert "def add" in output_text(page)
+    screenshot(page, "playground-done")
+    assert rec.hosts == {"127.0.0.1"}, rec.hosts
+
+
+def test_stop_ends_the_generation_and_frees_the_engine(server, owner):
+    _, _, page = owner
+    generate(page, LONG, max_tokens=600)
+    deadline = time.monotonic() + 60
+    while not (meter(page)["state"] == "running" and meter(page)["tokens"] >= 3):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    page.click("#stop")
+    stopped = wait_state(page, ["done", "idle"], timeout=10)
+    assert stopped["tokens"] < 600
+    t0 = time.monotonic()
+    deadline = t0 + 10
+    while server.status().get("state") == "ready":  # the engine took the disconnect: nothing runs there
+        with urllib.request.urlopen(server.status()["url"] + "/health", timeout=5) as r:
+            import json
+            if not json.loads(r.read())["busy"]:
+                break
+        assert time.monotonic() < deadline, "the engine kept generating after Stop"
+        time.sleep(0.1)
+    generate(page, INSTRUCTION, max_tokens=8)
+    assert wait_state(page, ["done", "error"], timeout=60)["state"] == "done"
+
+
+def test_bad_input_is_a_message_and_nothing_is_stored(server, owner):
+    _, _, page = owner
+    before = len(history_rows(page))
+    page.get_by_role("tab", name="Playground").click()
+    page.wait_for_selector("#generate", state="visible")
+    set_field(page, "max-tokens", "0")
+    page.click("#generate")
+    page.wait_for_function("() => document.querySelector('#error').innerText.includes('Max tokens')")
+    assert meter(page)["state"] == "error", page.eval_on_selector("#meter", "e => e.outerHTML")[:600]
+    set_field(page, "max-tokens", "48")
+    assert len(history_rows(page)) == before
+    page.get_by_role("tab", name="Playground").click()
+
+
+def test_share_fork_and_revoke(server, owner, new_context):
+    octx, _, page = owner
+    page.get_by_role("tab", name="Playground").click()
+    page.click("#share")
+    page.wait_for_selector("#share-link")
+    link = page.get_attribute("#share-link", "href")
+    assert "/s/" in link
+    code = page.eval_on_selector("#code .cm-content", "el => el.cmTile ? el.cmTile.view.state.doc.toString() "
+                                                       ": el.innerText")
+    owner_rows = history_rows(page)
+
+    vctx, _ = new_context()  # a stranger: no cookies
+    viewer = vctx.new_page()
+    resp = viewer.goto(link)
+    assert resp.status == 200
+    assert resp.headers["cache-control"] == "no-store" and resp.headers["referrer-policy"] == "no-referrer"
+    assert viewer.inner_text("#code").strip() == code.strip()
+    assert viewer.inner_text("#output").strip()
+    assert viewer.locator("textarea, [contenteditable=true]").count() == 0  # read-only
+    screenshot(viewer, "share-page")
+    viewer.click("#fork")
+    viewer.wait_for_url("**/?session=*")
+    viewer.wait_for_selector("#meter")
+    viewer.wait_for_function("() => document.querySelector('#meter').dataset.state === 'done'")
+    assert len(history_rows(viewer)) == 1  # the fork is in the viewer's History...
+    assert len(history_rows(page)) == len(owner_rows)  # ...and not in the owner's
+
+    page.locator('#history [role=row][aria-rowindex="2"] [role=gridcell]').first.click()
+    time.sleep(1.0)
+    page.click("#revoke")
+    page.wait_for_function("() => document.querySelector('#history-notice').innerText.includes('Revoked')")
+    screenshot(page, "history")
+    gone = vctx.new_page()
+    resp = gone.goto(link)
+    assert resp.status == 404 and "This link does not exist or was revoked" in gone.inner_text("body")
+    unknown = gone.goto(server.url + "/s/" + "A" * 43)
+    assert unknown.status == 404 and "This link does not exist or was revoked" in gone.inner_text("body")
+
+
+def test_another_browser_never_sees_this_history(server, owner, new_context):
+    ctx, _, page = open_playground(new_context, server)
+    assert history_rows(page) == []
+
+
+def test_a_killed_engine_is_an_error_then_restarted(server, owner):
+    _, _, page = owner
+    page.get_by_role("tab", name="Playground").click()
+    st = server.wait_ready()
+    os.kill(st["pid"], signal.SIGKILL)
+    page.wait_for_function("() => document.querySelector('#error').innerText.trim().length > 0", timeout=30_000)
+    assert "engine" in page.inner_text("#error").lower()
+    server.wait_ready(timeout=240)
+    generate(page, INSTRUCTION, max_tokens=8)
+    end = wait_state(page, ["done", "error"], timeout=120)["state"]
+    assert end == "done", (page.eval_on_selector("#meter", "e => e.outerHTML")[:600],
+                           page.eval_on_selector("#error-box", "e => e.innerHTML")[-600:], server.status())
+    page.wait_for_function("() => document.querySelector('#error').innerText.trim() === ''", timeout=10_000)
+    assert server.status()["restarts"] >= 1
+
+
+def test_ten_browsers_generating_at_once_all_complete(server, new_context):
+    server.wait_ready()
+    pages = []
+    for _ in range(10):
+        _, _, p = open_playground(new_context, server)
+        wait_state(p, ["idle"], timeout=60)
+        p.locator("#instruction textarea").fill(INSTRUCTION)
+        set_field(p, "max-tokens", "12")
+        pages.append(p)
+    for p in pages:
+        p.click("#generate")
+    seen = [set() for _ in pages]
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        states = [meter(p)["state"] for p in pages]
+        for s, st in zip(seen, states):
+            s.add(st)
+        if all(st in ("done", "error") for st in states):
+            break
+        time.sleep(0.05)
+    assert all(meter(p)["state"] == "done" for p in pages), [meter(p) for p in pages]
+    assert sum("queued" in s for s in seen) >= 5, seen  # the engine runs one at a time: the rest wait, and say so
