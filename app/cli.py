@@ -52,8 +52,8 @@ def run(args) -> int:
     else:
         engine = LocalEngine(args.model, device=args.device, dtype=args.dtype, world_size=args.world_size,
                              compile=not args.no_compile)
-    engine.start()
     app = create_app(AppContext(engine=engine, store=store))
+    engine.start()  # after the UI is built: the page answers sooner when the two do not compete
     where = args.engine_url or f"a local engine ({args.model}, {args.device} x{args.world_size})"
     print(f"Laneplay on http://{args.host}:{args.port} — engine: {where}", file=sys.stderr, flush=True)
     try:

@@ -157,11 +157,22 @@ def build(ctx: AppContext, session_id: gr.State) -> dict:
         events: asyncio.Queue = asyncio.Queue()
 
         async def pump():  # the engine's stream, read in its own task so that Stop never waits for a token
-            try:
-                async for item in ctx.client().stream(body, chat):
-                    await events.put(item)
-            except EngineError as e:
-                await events.put(e)
+            for attempt in (1, 2):
+                got_any = False
+                try:
+                    async for item in ctx.client().stream(body, chat):
+                        got_any = True
+                        await events.put(item)
+                except EngineError as e:
+                    # An engine that was just restarted may refuse the first connection: wait for it, once.
+                    if attempt == 1 and not got_any and e.kind == "unreachable":
+                        for _ in range(60):
+                            await asyncio.sleep(0.5)
+                            if ctx.engine.ready:
+                                break
+                        continue
+                    await events.put(e)
+                break
             await events.put(None)
 
         reader = asyncio.create_task(pump())

@@ -17,6 +17,18 @@ from dataclasses import dataclass, field
 
 from laneplay.evals.problems import Problem
 
+
+def _parse(code: str) -> ast.Module:
+    """ast.parse; CPython 3.11 can raise a spurious "AST constructor recursion depth mismatch"
+    SystemError (fixed upstream in 3.12): parse once more, then report it as unparsable code."""
+    for attempt in (1, 2):
+        try:
+            return ast.parse(code)
+        except SystemError as e:
+            if attempt == 2:
+                raise SyntaxError(f"the parser failed on this code ({e})") from None
+    raise AssertionError("unreachable")
+
 # Cut points for base-mode completions; also useful as the engine's `stop` list.
 STOP_SEQUENCES = ("\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#", "\n@", "\nassert ", "\n```")
 MAX_SPAN_LINES = 400  # the no-fence span search is quadratic in the worst case
@@ -84,7 +96,7 @@ def extract_code(problem: Problem, answer: str) -> Extraction:
 
 def _parses(code: str) -> bool:
     try:
-        ast.parse(code)
+        _parse(code)
         return True
     except (SyntaxError, ValueError):
         return False
@@ -123,7 +135,7 @@ def _is_demo(node: ast.stmt) -> bool:
 def _keep_definitions(code: str, warnings: list[str]) -> str:
     """Drop top-level demo code (print calls, asserts, main blocks, loops); keep the rest verbatim."""
     try:
-        tree = ast.parse(code)
+        tree = _parse(code)
     except (SyntaxError, ValueError) as e:
         warnings.append(f"the extracted code does not parse: {getattr(e, 'msg', e)}")
         return code
@@ -140,7 +152,7 @@ def _keep_definitions(code: str, warnings: list[str]) -> str:
 def _restore_from_prompt(problem: Problem, code: str, warnings: list[str]) -> str:
     """Prepend the prompt's imports and helper functions that the answer does not have."""
     try:
-        prompt_tree, code_tree = ast.parse(problem.prompt), ast.parse(code)
+        prompt_tree, code_tree = _parse(problem.prompt), _parse(code)
     except (SyntaxError, ValueError):
         return code
     bound = _bound_names(code_tree)

@@ -9,8 +9,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
-
 ROOT = Path(__file__).resolve().parents[1]
 LOCK = ROOT / "requirements.lock"
 
@@ -43,6 +41,7 @@ def wheel(tmp_path_factory):
     return whl
 
 
+@pytest.mark.slow
 def test_the_wheel_installs_one_top_level_name_and_carries_its_run_time_files(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith((".dist-info", ".data"))}
@@ -58,6 +57,7 @@ def test_the_wheel_installs_one_top_level_name_and_carries_its_run_time_files(wh
     assert not any(n.startswith("tests/") for n in names)
 
 
+@pytest.mark.slow
 def test_the_wheel_works_beside_transformers_and_kernels_from_any_directory(wheel, tmp_path):
     uv = _uv()
     venv = tmp_path / "venv"
@@ -83,3 +83,13 @@ def test_the_wheel_works_beside_transformers_and_kernels_from_any_directory(whee
     assert "tokens/s" in last and "".join(body).strip(), gen.stdout
     db = _run([laneplay, "db", "upgrade", "--url", f"sqlite:///{tmp_path / 'x.db'}"], elsewhere, env=env)
     assert db.returncode == 0
+
+
+@pytest.mark.parametrize("name", ["kernels"])
+def test_the_repository_folders_do_not_shadow_installed_packages(name):
+    # The suite runs with the repository root off sys.path: `import kernels` is Hugging Face's package.
+    import importlib
+
+    mod = importlib.import_module(name)
+    assert "site-packages" in (mod.__file__ or ""), mod.__file__
+    assert importlib.import_module(f"laneplay.{name}").__file__.startswith(str(ROOT))
