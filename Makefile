@@ -1,5 +1,5 @@
 # Laneplay: `make run` serves the product, `make test` runs the whole suite.
-# Both bootstrap .venv from nothing, installing exactly the locked set in requirements.lock;
+# Both bootstrap .venv from nothing, installing exactly the locked set in requirements.txt;
 # system packages are installed with apt-get when missing.
 
 PYTHON ?= python3
@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 UV     := $(VENV)/bin/uv
 STAMP  := $(VENV)/.laneplay-installed
-LOCK   := requirements.lock
+LOCK   := requirements.txt
 UV_VERSION := 0.13.9
 
 # The lock is resolved for the CPU path: torch's local CPU build (a plain `torch` from the index is a
@@ -31,7 +31,7 @@ help:
 	@echo "make run   - serve Laneplay with the embedded default model"
 	@echo "make test  - run the whole test suite"
 	@echo "make bench - run the benchmarks (tables + JSON in bench/results/)"
-	@echo "make lock  - re-resolve requirements.lock from pyproject.toml (newest versions allowed)"
+	@echo "make lock  - re-resolve requirements.txt from pyproject.toml (newest versions allowed)"
 
 venv: $(STAMP)
 
