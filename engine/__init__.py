@@ -6,7 +6,7 @@ from laneplay.engine.generate import GenerationEvent
 from laneplay.engine.loader import load_engine
 from laneplay.engine.metrics import GenerationMetrics
 from laneplay.engine.runtime import Runtime
-from laneplay.engine.sampling import SamplingParams
+from laneplay.engine.sampling import SampleSettings, SamplingParams
 
-__all__ = ["load_engine", "Engine", "SamplingParams", "GenerationEvent", "GenerationMetrics", "Runtime",
-           "ModelConfig", "ConfigError", "CheckpointError", "DEFAULT_MODEL"]
+__all__ = ["load_engine", "Engine", "SamplingParams", "SampleSettings", "GenerationEvent", "GenerationMetrics",
+           "Runtime", "ModelConfig", "ConfigError", "CheckpointError", "DEFAULT_MODEL"]

@@ -162,9 +162,10 @@ class DistLanes:
         return self.stopped
 
     def pick(self, local: Tensor, params: SamplingParams, generators) -> Tensor:
-        """The per-step gather: greedy via per-shard top-1, sampling via whole logits. Every rank
-        samples the same token with the same seeded generators. Rank 0's stop flag rides along, so
-        all ranks leave the loop at the same step."""
+        """The per-step gather: per-shard top-1 when every row is greedy, otherwise whole logits and
+        `sample` (which handles rows with different settings). Every rank samples the same token with
+        the same seeded generators. Rank 0's stop flag rides along, so all ranks leave the loop at the
+        same step."""
         flag = torch.tensor([1.0 if self.rank == 0 and self.stop_requested() else 0.0], device=local.device)
         n = local.shape[0]
         if params.greedy and not self.full_logits:
@@ -283,7 +284,7 @@ def rank_main(rank: int, address: str, port: int, timeout_s: float, runtime: Run
                 out = here.logits(msg[1])
                 if rank == 0:  # numpy pickles by value (torch tensors would go through fd sharing)
                     conn.send(("logits", out.numpy()))
-            elif kind == "generate":
+            elif kind == "generate":  # params: asdict(SamplingParams); per-sample dicts are rebuilt by it
                 _, rid, ids, params, seeds, eos_ids = msg
                 here.generate(rid, ids, SamplingParams(**params), seeds, set(eos_ids))
             # a "cancel" for a request that already ended needs nothing

@@ -99,7 +99,7 @@ def token_steps(runner, ids: list[int], params: SamplingParams, eos_ids: set[int
 
     `runner` provides `prefill(ids [1, S], n, max_seq_len, should_stop) -> X | None` (None: stopped
     between prefill chunks), `decode_step(tokens [n, 1], pos) -> X` and `pick(X, params, generators)
-    -> tokens [n]` (X: logits, or per-rank shards under DTP).
+    -> tokens [n]` (X: logits, or per-rank shards under DTP; row i is sampled with sample i's settings).
     Stops when every sample hit EOS, at max_tokens, or when `should_stop()` says so (checked between
     prefill chunks and after every token).
     """
@@ -124,11 +124,13 @@ def token_steps(runner, ids: list[int], params: SamplingParams, eos_ids: set[int
 def stream_events(steps: Iterator[tuple[list[int], float]], params: SamplingParams, seeds: list[int], tokenizer,
                   eos_ids: set[int], prompt_tokens: int, device: str, world_size: int,
                   t_start: float) -> Iterator[GenerationEvent]:
-    """The text side: incremental detokenization, stop strings, finish reasons and timing per sample."""
+    """The text side: incremental detokenization, stop strings, finish reasons and timing per sample
+    (each sample's metrics also say its seed and sampling settings)."""
     samples = [
         _Sample(i, s, tokenizer.stream(), StopMatcher(params.stop),
-                GenerationMetrics(prompt_tokens=prompt_tokens, device=device, world_size=world_size, seed=s))
-        for i, s in enumerate(seeds)
+                GenerationMetrics(prompt_tokens=prompt_tokens, device=device, world_size=world_size, seed=s,
+                                  temperature=t, top_p=p, top_k=k, min_p=m))
+        for i, (s, (t, p, k, m)) in enumerate(zip(seeds, params.settings()))
     ]
     try:
         for step, (host, now) in enumerate(steps):

@@ -16,6 +16,10 @@ class GenerationMetrics:
     world_size: int = 1
     finish_reason: str | None = None
     seed: int | None = None
+    temperature: float | None = None  # this sample's own settings (they may differ within one request)
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
 
     # Mapping protocol, so dict(metrics) == asdict(metrics).
     def keys(self):

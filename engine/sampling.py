@@ -2,12 +2,14 @@
 
 Each sample of a request owns a `torch.Generator` seeded from (request seed, sample index), so a
 sample is reproducible on its own and independent of the others in its batch, and the DTP runtime
-(which samples on rank 0 from gathered logits) draws exactly the same tokens.
+(which samples on rank 0 from gathered logits) draws exactly the same tokens. A request may also give
+each sample its own temperature, top-p, top-k, min-p and seed (`SamplingParams.samples`); rows with the
+same settings are still sampled as one batch.
 """
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -19,6 +21,39 @@ MAX_SEED = 2**63 - 1
 # Temperatures below this are greedy: dividing by them would overflow float32 (1e-38 is inf), and the
 # distribution they describe is already the argmax to within float precision.
 GREEDY_TEMPERATURE = 1e-5
+SAMPLE_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed")  # what one sample of a batch may set
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # not NaN
+
+
+# (name, accepts, what an accepted value is): shared by a request's and each sample's settings.
+_RULES = (
+    ("temperature", lambda v: _is_num(v) and 0 <= v <= 100, "must be in [0, 100]"),
+    ("top_p", lambda v: _is_num(v) and 0 < v <= 1, "must be in (0, 1]"),
+    ("top_k", lambda v: _is_int(v) and v >= 0, "must be an integer >= 0 (0 = off)"),
+    ("min_p", lambda v: _is_num(v) and 0 <= v <= 1, "must be in [0, 1]"),
+    ("seed", lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_SEED), "must be an integer in [0, 2^63)"),
+)
+
+
+def is_greedy(temperature: float, top_k: int) -> bool:
+    return temperature < GREEDY_TEMPERATURE or top_k == 1
+
+
+@dataclass
+class SampleSettings:
+    """One sample's own settings in a batch; None inherits the request's value (a seed: request seed + index)."""
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # 0 = off
+    min_p: float | None = None  # 0 = off
+    seed: int | None = None
 
 
 @dataclass
@@ -32,6 +67,17 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     n: int = 1
     ignore_eos: bool = False
+    # Per-sample settings (sample i is samples[i]); n is then len(samples). max_tokens, stop, ignore_eos stay shared.
+    samples: list[SampleSettings] | None = None
+
+    def __post_init__(self):
+        # Plain dicts (JSON, or `asdict` on the way to the DTP ranks) become SampleSettings again; anything
+        # else is left for validate() to name. n follows the list unless it was set.
+        if isinstance(self.samples, (list, tuple)):
+            self.samples = [SampleSettings(**s) if isinstance(s, dict) and set(s) <= set(SAMPLE_KEYS) else s
+                            for s in self.samples]
+            if self.n == 1 and self.samples:
+                self.n = len(self.samples)
 
     def validate(self) -> "SamplingParams":
         """Raise ValueError with a clear sentence for any out-of-range value; returns self."""
@@ -39,20 +85,25 @@ class SamplingParams:
             if not cond:
                 raise ValueError(msg)
 
-        def is_int(v):
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        def is_num(v):
-            return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v  # not NaN
-
-        need(is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        need(is_num(self.temperature) and 0 <= self.temperature <= 100, f"temperature must be in [0, 100], got {self.temperature!r}")
-        need(is_num(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
-        need(is_int(self.top_k) and self.top_k >= 0, f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        need(is_num(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
-        need(self.seed is None or (is_int(self.seed) and 0 <= self.seed <= MAX_SEED),
-             f"seed must be an integer in [0, 2^63), got {self.seed!r}")
-        need(is_int(self.n) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        need(_is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        for name, ok, what in _RULES:
+            value = getattr(self, name)
+            need(ok(value), f"{name} {what}, got {value!r}")
+        if self.samples is not None:
+            got = f"{len(self.samples)} of them" if isinstance(self.samples, list) else repr(self.samples)
+            need(isinstance(self.samples, list) and 1 <= len(self.samples) <= MAX_N,
+                 f"samples must be a list of 1 to {MAX_N} sample settings, got {got}")
+        need(_is_int(self.n) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        for i, s in enumerate(self.samples or []):
+            if isinstance(s, dict):  # __post_init__ kept it: a key that is not a sample setting
+                unknown = sorted(map(str, set(s) - set(SAMPLE_KEYS)))
+                need(False, f"samples[{i}] has unknown key(s) {unknown}; allowed: {', '.join(SAMPLE_KEYS)}")
+            need(isinstance(s, SampleSettings), f"samples[{i}] must be an object of sample settings, got {s!r}")
+            for name, ok, what in _RULES:
+                value = getattr(s, name)
+                need(value is None or ok(value), f"samples[{i}].{name} {what}, got {value!r}")
+        need(self.samples is None or self.n == len(self.samples),
+             f"n ({self.n}) must equal the number of samples ({len(self.samples or [])}); leave n out when giving samples")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         need(isinstance(self.stop, (list, tuple)) and len(self.stop) <= MAX_STOP_STRINGS,
@@ -62,15 +113,34 @@ class SamplingParams:
         self.stop = list(self.stop)
         return self
 
+    def settings(self) -> list[tuple[float, float, int, float]]:
+        """(temperature, top_p, top_k, min_p) of each of the n samples; unset per-sample values are the request's."""
+        own = (self.temperature, self.top_p, self.top_k, self.min_p)
+        if not self.samples:
+            return [own] * self.n
+        return [tuple(mine if mine is not None else req for mine, req in
+                      zip((s.temperature, s.top_p, s.top_k, s.min_p), own)) for s in self.samples]
+
+    def for_sample(self, i: int) -> "SamplingParams":
+        """Sample i's settings as the params of a request of its own (n=1, no per-sample list, request seed)."""
+        if not self.samples:
+            return replace(self, n=1)
+        t, p, k, m = self.settings()[i]
+        return replace(self, temperature=t, top_p=p, top_k=k, min_p=m, n=1, samples=None)
+
     @property
     def greedy(self) -> bool:
-        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+        """Every sample decodes greedily (temperature below GREEDY_TEMPERATURE, or top_k 1)."""
+        if not self.samples:
+            return is_greedy(self.temperature, self.top_k)
+        return all(is_greedy(t, k) for t, _, k, _ in self.settings())
 
 
 def sample_seeds(params: SamplingParams) -> list[int]:
-    """One seed per sample: sample i of a request with seed s always uses seed s + i."""
+    """One seed per sample: sample i of a request with seed s uses seed s + i, unless it names its own."""
     base = params.seed if params.seed is not None else secrets.randbelow(2**62)
-    return [(base + i) % (MAX_SEED + 1) for i in range(params.n)]
+    own = [s.seed for s in params.samples] if params.samples else [None] * params.n
+    return [seed if seed is not None else (base + i) % (MAX_SEED + 1) for i, seed in enumerate(own)]
 
 
 def make_generators(seeds: list[int], device) -> list[torch.Generator]:
@@ -109,8 +179,29 @@ def process_logits(logits: Tensor, params: SamplingParams) -> Tensor:
 
 
 def sample(logits: Tensor, params: SamplingParams, generators: list[torch.Generator]) -> Tensor:
-    """Next token per row. logits [B, V] -> [B] (greedy when temperature is 0)."""
-    if params.greedy:
+    """Next token per row. logits [B, V] -> [B] (greedy when temperature is 0).
+
+    With per-sample settings (B == len(params.samples)), rows that share settings are processed as one
+    batch and greedy rows take the argmax; each row draws with its own generator, so a row's token is the
+    one it would get alone.
+    """
+    if not params.samples:
+        return _sample_rows(logits, params, generators)
+    groups: dict[tuple, list[int]] = {}
+    for b, (t, p, k, m) in enumerate(params.settings()):
+        groups.setdefault(("greedy",) if is_greedy(t, k) else (t, p, k, m), []).append(b)
+    if len(groups) == 1:
+        return _sample_rows(logits, params.for_sample(0), generators)
+    out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    for rows in groups.values():
+        idx = torch.tensor(rows, device=logits.device)
+        out[idx] = _sample_rows(logits[idx], params.for_sample(rows[0]), [generators[b] for b in rows])
+    return out
+
+
+def _sample_rows(logits: Tensor, params: SamplingParams, generators: list[torch.Generator]) -> Tensor:
+    """Rows that share `params`' own settings (its per-sample list is not read)."""
+    if is_greedy(params.temperature, params.top_k):
         return logits.argmax(-1)
     probs = process_logits(logits.float(), params).softmax(-1)
     return torch.cat([torch.multinomial(probs[b], 1, generator=generators[b]) for b in range(probs.shape[0])])

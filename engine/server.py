@@ -9,7 +9,7 @@ queued request can only fail inside the engine. Generation runs in the scheduler
 Every response also carries a top-level "laneplay" object with the server-side timing (standard
 clients ignore unknown fields): ttft_ms, decode_tokens_per_second, ms_per_token, total_ms, device,
 world_size, queue_ms, request_seq (arrival order), start_seq (order the engine started requests),
-per_choice. When streaming, the chunk that finishes a choice carries that choice's timing, and the
+per_choice (each choice's timing, seed and sampling settings). When streaming, the chunk that finishes a choice carries that choice's timing, and the
 last chunk before [DONE] (the usage chunk when stream_options.include_usage is set) carries it all.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from laneplay.engine.sampling import SamplingParams
+from laneplay.engine.sampling import SAMPLE_KEYS, SamplingParams
 from laneplay.engine.scheduler import STARTED, Job, QueueFull, Scheduler
 
 DEFAULT_MAX_TOKENS = 256  # when the request names none (capped by what the context has left)
@@ -61,7 +61,8 @@ _INT, _NUM, _BOOL = ((int,), "an integer"), ((int, float), "a number"), ((bool,)
 _STR, _OBJ = ((str,), "a string"), ((dict,), "an object")
 _JSON_TYPES = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "an array",
                dict: "an object"}
-_SAMPLING_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "stop")
+_SAMPLING_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "stop", "samples")
+_SAMPLE_KINDS = {"temperature": _NUM, "top_p": _NUM, "top_k": _INT, "min_p": _NUM, "seed": _INT}
 
 
 def _field(body: dict, name: str, kind, default=None, param: str | None = None):
@@ -97,6 +98,10 @@ def parse_request(body, chat: bool) -> ParsedRequest:
     stop = body.get("stop")
     if stop is not None and not isinstance(stop, (str, list)):
         raise APIError(400, "'stop' must be a string or an array of strings.", "stop", "invalid_type")
+    n, samples = _field(body, "n", _INT), _samples(body)
+    if samples is not None and n is not None and n != len(samples):
+        raise APIError(400, f"'n' ({n}) must equal the number of 'samples' ({len(samples)}); leave 'n' out when "
+                            "giving 'samples'.", "n", "invalid_value")
     params = SamplingParams(
         max_tokens=1 if max_tokens is None else max_tokens,
         temperature=_field(body, "temperature", _NUM, 1.0),  # OpenAI's defaults: temperature 1, top_p 1
@@ -105,8 +110,9 @@ def parse_request(body, chat: bool) -> ParsedRequest:
         min_p=_field(body, "min_p", _NUM, 0.0),
         seed=_field(body, "seed", _INT),
         stop=[stop] if isinstance(stop, str) else list(stop or []),
-        n=_field(body, "n", _INT, 1),
+        n=n if n is not None else len(samples) if samples else 1,
         ignore_eos=_field(body, "ignore_eos", _BOOL, False),
+        samples=samples,
     )
     options = _field(body, "stream_options", _OBJ, {})
     return ParsedRequest(
@@ -116,6 +122,24 @@ def parse_request(body, chat: bool) -> ParsedRequest:
         stream=_field(body, "stream", _BOOL, False),
         include_usage=_field(options, "include_usage", _BOOL, False, param="stream_options.include_usage"),
     )
+
+
+def _samples(body: dict) -> list[dict] | None:
+    """The "samples" extension: one object of sampling settings per choice, every key optional
+    (ranges, and the count, are checked by engine.prepare)."""
+    samples = _field(body, "samples", ((list,), "an array of objects"))
+    for i, s in enumerate(samples or []):
+        where = f"samples[{i}]"
+        if not isinstance(s, dict):
+            got = _JSON_TYPES.get(type(s), "something else")
+            raise APIError(400, f"'{where}' must be an object, got {got}.", where, "invalid_type")
+        unknown = sorted(set(s) - set(SAMPLE_KEYS))
+        if unknown:
+            raise APIError(400, f"'{where}' has unknown key(s) {', '.join(map(repr, unknown))}; allowed: "
+                                f"{', '.join(SAMPLE_KEYS)}.", where, "unknown_parameter")
+        for key in s:
+            _field(s, key, _SAMPLE_KINDS[key], param=f"{where}.{key}")
+    return samples
 
 
 def _prompt(body: dict):
@@ -152,7 +176,7 @@ def _messages(body: dict) -> list[dict]:
 def _param_of(message: str, chat: bool) -> str:
     """Which request field an engine validation message is about (they start with the field's name)."""
     head = message.split(" ", 1)[0]
-    if head in _SAMPLING_PARAMS:
+    if head in _SAMPLING_PARAMS or head.startswith("samples["):  # e.g. "samples[2].temperature"
         return head
     return "stop" if "stop string" in message else ("messages" if chat else "prompt")
 
@@ -170,7 +194,8 @@ def _ms(x: float | None) -> float | None:
 def choice_timing(index: int, m) -> dict:
     return {"index": index, "ttft_ms": _ms(m.ttft_ms), "decode_tokens_per_second": _ms(m.decode_tokens_per_second),
             "ms_per_token": _ms(m.ms_per_token), "total_ms": _ms(m.total_ms), "completion_tokens": m.completion_tokens,
-            "finish_reason": _api_reason(m.finish_reason), "seed": m.seed}
+            "finish_reason": _api_reason(m.finish_reason), "seed": m.seed, "temperature": m.temperature,
+            "top_p": m.top_p, "top_k": m.top_k, "min_p": m.min_p}
 
 
 def request_timing(job: Job) -> dict:

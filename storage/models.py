@@ -27,6 +27,8 @@ NAMING = {
 }
 
 STATUSES = ("pass", "fail", "timeout", "memory", "error")
+RUN_STATUSES = ("queued", "running", "done", "cancelled", "interrupted", "error")  # a comparison's state as a job
+GENERATION_KINDS = ("playground", "side-by-side")
 ID_CHARS = 22  # secrets.token_urlsafe(16): 128 random bits
 
 
@@ -106,19 +108,29 @@ class Generation(Base):
     ms_per_token: Mapped[float | None] = mapped_column(Float)
     device: Mapped[str | None] = mapped_column(String(limits.MAX_DEVICE_CHARS))
     world_size: Mapped[int | None] = mapped_column(Integer)
+    top_p: Mapped[float | None] = mapped_column(Float)
+    top_k: Mapped[int | None] = mapped_column(Integer)
+    kind: Mapped[str | None] = mapped_column(String(16))  # GENERATION_KINDS: which tab made it
+    test_status: Mapped[str | None] = mapped_column(String(8))  # STATUSES, once its code ran against tests
+    test_error: Mapped[str | None] = mapped_column(Text)
 
     session: Mapped[PlaySession] = relationship(back_populates="generations")
 
     FIELDS = ("sample_index", "seed", "temperature", "text", "finish_reason", "prompt_tokens",
-              "completion_tokens", "ttft_ms", "decode_tokens_per_second", "ms_per_token", "device", "world_size")
+              "completion_tokens", "ttft_ms", "decode_tokens_per_second", "ms_per_token", "device", "world_size",
+              "top_p", "top_k", "kind", "test_status", "test_error")
 
     def to_dict(self) -> dict[str, Any]:
         return {"batch": self.batch, **{f: getattr(self, f) for f in self.FIELDS}, "created_at": iso(self.created_at)}
 
 
 class Comparison(Base):
-    """One pass@N run: greedy baseline + N samples per problem, with its timing and pass@k."""
+    """One pass@N run: greedy baseline + N samples per problem, with its timing and pass@k. It is also a
+    job: `status` goes queued -> running -> done (or cancelled, error; interrupted when the server
+    stopped mid-run), and what finished before that stays stored."""
     __tablename__ = "comparisons"
+    __table_args__ = (CheckConstraint("status IN ('queued', 'running', 'done', 'cancelled', 'interrupted', 'error')",
+                                      name="run_status"),)
 
     id: Mapped[str] = mapped_column(String(ID_CHARS), primary_key=True)
     session_id: Mapped[str | None] = mapped_column(ForeignKey("sessions.id", ondelete="CASCADE"), index=True)
@@ -134,6 +146,10 @@ class Comparison(Base):
     greedy_pass1: Mapped[float | None] = mapped_column(Float)
     greedy_seconds: Mapped[float | None] = mapped_column(Float)
     sampled_seconds: Mapped[float | None] = mapped_column(Float)
+    status: Mapped[str] = mapped_column(String(12), server_default="done")
+    settings: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # top_p, max_tokens, seed, mode, ...
+    timing: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # problem id -> greedy/batch timing of its requests
+    error: Mapped[str | None] = mapped_column(Text)  # why a run ended in "error"
 
     session: Mapped[PlaySession | None] = relationship(back_populates="comparisons")
     results: Mapped[list[SampleResult]] = relationship(
@@ -146,7 +162,8 @@ class Comparison(Base):
                 "finished_at": iso(self.finished_at), "model": self.model, "problem_set": self.problem_set,
                 "n": self.n, "temperature": self.temperature, "greedy": self.greedy,
                 "greedy_pass1": self.greedy_pass1, "greedy_seconds": self.greedy_seconds,
-                "sampled_seconds": self.sampled_seconds,
+                "sampled_seconds": self.sampled_seconds, "status": self.status,
+                "settings": dict(self.settings or {}), "error": self.error,
                 "passk": [{"k": p.k, "value": p.value} for p in self.passk]}
 
     def to_dict(self) -> dict[str, Any]:
@@ -154,7 +171,7 @@ class Comparison(Base):
         results = sorted(self.results, key=lambda r: (order[r.problem_id], not r.greedy, r.sample_index))
         return {**self.summary(), "problem_ids": list(self.problem_ids),
                 "tests": None if self.tests is None else list(self.tests),
-                "results": [r.to_dict() for r in results]}
+                "timing": dict(self.timing or {}), "results": [r.to_dict() for r in results]}
 
 
 class SampleResult(Base):
@@ -173,11 +190,12 @@ class SampleResult(Base):
     runtime_s: Mapped[float | None] = mapped_column(Float)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
     generation_ms: Mapped[float | None] = mapped_column(Float)
+    code: Mapped[str | None] = mapped_column(Text)  # the program that was checked
 
     comparison: Mapped[Comparison] = relationship(back_populates="results")
 
     FIELDS = ("problem_id", "greedy", "sample_index", "status", "error", "runtime_s",
-              "completion_tokens", "generation_ms")
+              "completion_tokens", "generation_ms", "code")
 
     def to_dict(self) -> dict[str, Any]:
         return {f: getattr(self, f) for f in self.FIELDS}

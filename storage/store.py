@@ -17,8 +17,8 @@ from sqlalchemy.orm import Session, selectinload, sessionmaker
 from laneplay.storage import limits, share
 from laneplay.storage import validate as v
 from laneplay.storage.db import WRITE, database_url, make_engine, upgrade_engine
-from laneplay.storage.models import (STATUSES, Comparison, Generation, PassK, PlaySession, SampleResult, ShareLink,
-                            is_id, iso, new_id, utcnow)
+from laneplay.storage.models import (GENERATION_KINDS, RUN_STATUSES, STATUSES, Comparison, Generation, PassK,
+                                     PlaySession, SampleResult, ShareLink, is_id, iso, new_id, utcnow)
 from laneplay.storage.validate import NotFound, ValidationError
 
 LINK_KEY_CHARS = 24  # a share link's key in list_shares / revoke_link: a prefix of its token's SHA-256
@@ -48,10 +48,23 @@ def _owner_hash(owner: Any) -> str:
     return share.digest(owner)
 
 
+def _excerpt(field: str, value: Any) -> str | None:
+    """An error text, cut to MAX_ERROR_CHARS keeping the end (where the exception is)."""
+    error = v.text(field, value, "MAX_OUTPUT_CHARS", optional=True)
+    if error is not None and len(error) > limits.MAX_ERROR_CHARS:
+        error = "…" + error[-(limits.MAX_ERROR_CHARS - 1):]
+    return error
+
+
 def _generation(i: int, rec: Any) -> dict[str, Any]:
     f = v.record(f"records[{i}]", rec, Generation.FIELDS)
     p = f"records[{i}]"
     return {
+        "top_p": v.number(f"{p}.top_p", f["top_p"], 0.0, 1.0, optional=True, lo_open=True),
+        "top_k": v.integer(f"{p}.top_k", f["top_k"], 0, "MAX_TOP_K", optional=True),
+        "kind": None if f["kind"] is None else v.one_of(f"{p}.kind", f["kind"], GENERATION_KINDS),
+        "test_status": None if f["test_status"] is None else v.one_of(f"{p}.test_status", f["test_status"], STATUSES),
+        "test_error": _excerpt(f"{p}.test_error", f["test_error"]),
         "sample_index": v.integer(f"{p}.sample_index", f["sample_index"], 0, limits.MAX_SAMPLES - 1),
         "seed": v.integer(f"{p}.seed", f["seed"], 0, "MAX_SEED", optional=True),
         "temperature": v.number(f"{p}.temperature", f["temperature"], 0.0, "MAX_TEMPERATURE", optional=True),
@@ -94,6 +107,35 @@ def _comparison_fields(problem_set: Any, problem_ids: Any, n: Any, temperature: 
             "tests": tests}
 
 
+SETTING_NAMES = ("top_p", "max_tokens", "seed", "mode", "timeout_s", "engine")
+
+
+def _settings(value: Any) -> dict[str, Any]:
+    """A run's other settings (temperature and n have columns of their own)."""
+    value = v.keyed("settings", value, SETTING_NAMES)
+    checks = {
+        "top_p": lambda x: v.number("settings.top_p", x, 0.0, 1.0, lo_open=True),
+        "max_tokens": lambda x: v.integer("settings.max_tokens", x, 1, "MAX_TOKENS"),
+        "seed": lambda x: v.integer("settings.seed", x, 0, "MAX_SEED", optional=True),
+        "mode": lambda x: v.one_of("settings.mode", x, ("base", "instruct")),
+        "timeout_s": lambda x: v.number("settings.timeout_s", x, 0.0, "MAX_RUNTIME_S", lo_open=True),
+        "engine": lambda x: v.text("settings.engine", x, "MAX_MODEL_CHARS"),
+    }
+    return {k: checks[k](x) for k, x in value.items()}
+
+
+TIMING_NAMES = ("greedy_ms", "greedy_ttft_ms", "greedy_step_ms", "greedy_tokens", "batch_ms", "batch_ttft_ms",
+                "batch_step_ms", "batch_tokens")
+
+
+def _timing(value: Any) -> dict[str, float]:
+    """One problem's request timing: the greedy call and the N-sample batch (ms, tokens)."""
+    if value is None:
+        raise ValidationError("timing: expected a mapping, got NoneType")
+    value = v.keyed("timing", value, TIMING_NAMES)
+    return {k: v.number(f"timing.{k}", x, 0.0, "MAX_METRIC") for k, x in value.items() if x is not None}
+
+
 def _result(c: Comparison, problems: set[str], i: int, rec: Any) -> dict[str, Any]:
     f = v.record(f"results[{i}]", rec, SampleResult.FIELDS)
     p = f"results[{i}]"
@@ -103,10 +145,9 @@ def _result(c: Comparison, problems: set[str], i: int, rec: Any) -> dict[str, An
     problem_id = v.text(f"{p}.problem_id", f["problem_id"], "MAX_PROBLEM_ID_CHARS")
     if problem_id not in problems:
         raise ValidationError(f"{p}.problem_id: {problem_id!r} is not one of the comparison's problem_ids")
-    error = v.text(f"{p}.error", f["error"], "MAX_OUTPUT_CHARS", optional=True)
-    if error is not None and len(error) > limits.MAX_ERROR_CHARS:
-        error = "…" + error[-(limits.MAX_ERROR_CHARS - 1):]  # an excerpt: the end holds the exception
+    error = _excerpt(f"{p}.error", f["error"])
     return {
+        "code": v.text(f"{p}.code", f["code"], "MAX_CODE_CHARS", optional=True),
         "problem_id": problem_id, "greedy": greedy,
         "sample_index": v.integer(f"{p}.sample_index", f["sample_index"], 0, 0 if greedy else c.n - 1),
         "status": v.one_of(f"{p}.status", f["status"], STATUSES), "error": error,
@@ -283,12 +324,45 @@ class Store:
 
     def create_comparison(self, *, problem_set: str, problem_ids: Sequence[str], n: int, temperature: float,
                           greedy: bool = True, session_id: str | None = None, model: str = "",
-                          tests: Sequence[str] | None = None) -> str:
+                          tests: Sequence[str] | None = None, status: str = "running",
+                          settings: Mapping[str, Any] | None = None) -> str:
         """A pass@N run over `problem_ids` of `problem_set`, attached to a session or standalone
-        (`laneplay eval`). Returns its id."""
+        (`laneplay eval`). Returns its id. It starts `running` (or `queued`); `set_passk` marks it done."""
         fields = _comparison_fields(problem_set, problem_ids, n, temperature, greedy, model, tests)
+        fields["status"] = v.one_of("status", status, ("queued", "running"))
+        fields["settings"] = _settings(settings)
         with self._write() as s:
             return self._insert_comparison(s, session_id, fields).id
+
+    def set_run_status(self, comparison_id: str, status: str, error: str | None = None) -> None:
+        """Moves a run along: queued -> running -> done / cancelled / error / interrupted. A run that
+        ended stays ended (a late "running" from a cancelled job changes nothing)."""
+        status = v.one_of("status", status, RUN_STATUSES)
+        error = _excerpt("error", error)
+        with self._write() as s:
+            c = self._comparison(s, comparison_id)
+            if c.status in ("queued", "running"):
+                c.status, c.error = status, error
+                if status not in ("queued", "running"):
+                    c.finished_at = c.finished_at or utcnow()
+
+    def set_problem_timing(self, comparison_id: str, problem_id: str, timing: Mapping[str, Any]) -> None:
+        """Stores one problem's request timing (see TIMING_NAMES)."""
+        timing = _timing(timing)
+        with self._write() as s:
+            c = self._comparison(s, comparison_id)
+            if problem_id not in set(c.problem_ids):
+                raise ValidationError(f"problem_id: {str(problem_id)[:40]!r} is not one of the comparison's problem_ids")
+            c.timing = {**(c.timing or {}), problem_id: timing}
+
+    def interrupt_unfinished(self) -> int:
+        """At start-up: runs left queued or running by a server that stopped are marked interrupted
+        (their stored results stay). Returns how many."""
+        with self._write() as s:
+            rows = list(s.scalars(select(Comparison).where(Comparison.status.in_(("queued", "running")))))
+            for c in rows:
+                c.status, c.finished_at = "interrupted", c.finished_at or utcnow()
+            return len(rows)
 
     def _insert_comparison(self, s: Session, session_id: str | None, fields: dict[str, Any]) -> Comparison:
         if session_id is not None:
@@ -343,6 +417,8 @@ class Store:
         for k, x in extra.items():
             setattr(c, k, x)
         c.finished_at = utcnow()
+        if c.status in ("queued", "running"):
+            c.status = "done"
 
     def get_comparison(self, comparison_id: str) -> dict[str, Any] | None:
         if not is_id(comparison_id):
@@ -352,13 +428,40 @@ class Store:
                         options=[selectinload(Comparison.results), selectinload(Comparison.passk)])
             return None if row is None else row.to_dict()
 
-    def list_comparisons(self, limit: int = 50) -> list[dict[str, Any]]:
-        """Summaries with pass@k (no per-sample results), newest first."""
+    def list_comparisons(self, limit: int = 50, owner: str | None = None) -> list[dict[str, Any]]:
+        """Summaries with pass@k (no per-sample results), newest first, each with how many of its
+        results are stored. With `owner`: the runs of that owner's sessions only."""
         limit = v.integer("limit", limit, 1, "MAX_SESSIONS_LISTED")
+        counts = (select(SampleResult.comparison_id, func.count().label("done"))
+                  .group_by(SampleResult.comparison_id).subquery())
+        query = (select(Comparison, counts.c.done).outerjoin(counts, counts.c.comparison_id == Comparison.id)
+                 .options(selectinload(Comparison.passk)).order_by(Comparison.created_at.desc()).limit(limit))
+        if owner is not None:
+            query = query.join(PlaySession, PlaySession.id == Comparison.session_id).where(
+                PlaySession.owner_hash == _owner_hash(owner))
         with self._read() as s:
-            rows = s.scalars(select(Comparison).options(selectinload(Comparison.passk))
-                             .order_by(Comparison.created_at.desc()).limit(limit))
-            return [r.summary() for r in rows]
+            return [{**r.summary(), "problems": len(r.problem_ids), "results_stored": done or 0}
+                    for r, done in s.execute(query)]
+
+    def owns_comparison(self, comparison_id: str, owner: str | None) -> bool:
+        """Is the run part of a session that `owner` owns?"""
+        if not is_id(comparison_id):
+            return False
+        with self._read() as s:
+            sid = s.scalar(select(Comparison.session_id).where(Comparison.id == comparison_id))
+        return sid is not None and self.owns(sid, owner)
+
+    def set_generation_test(self, session_id: str, batch: int, sample_index: int, status: str,
+                            error: str | None = None) -> None:
+        """Records the outcome of running one stored generation's code against the user's tests."""
+        status = v.one_of("status", status, STATUSES)
+        error = _excerpt("error", error)
+        with self._write() as s:
+            row = s.scalar(select(Generation).where(Generation.session_id == session_id, Generation.batch == batch,
+                                                    Generation.sample_index == sample_index))
+            if row is None:
+                raise NotFound("generation not found")
+            row.test_status, row.test_error = status, error
 
     # -- share links ------------------------------------------------------------------------------
 
@@ -456,7 +559,16 @@ class Store:
             for c in snap["comparisons"]:
                 fields = _comparison_fields(c["problem_set"], c["problem_ids"], c["n"], c["temperature"],
                                             c["greedy"], c["model"], c["tests"])
+                fields["settings"] = _settings(c.get("settings"))
+                # A copy is never a live job: a run that was still going when it was shared is interrupted.
+                status = c.get("status") or "done"
+                fields["status"] = "interrupted" if status in ("queued", "running") else v.one_of(
+                    "status", status, RUN_STATUSES)
+                fields["error"] = _excerpt("error", c.get("error"))
                 row = self._insert_comparison(s, session.id, fields)
+                for pid, t in (c.get("timing") or {}).items():
+                    if pid in set(row.problem_ids):
+                        row.timing = {**(row.timing or {}), pid: _timing(t)}
                 self._insert_results(s, row, c["results"])
                 if c["finished_at"] is not None:
                     passk, extra = _passk(row, {p["k"]: p["value"] for p in c["passk"]}, c["greedy_pass1"],

@@ -97,6 +97,18 @@ def items(field: str, value: Any, limit: int | str, *, min_items: int = 0) -> li
     return list(value)
 
 
+def keyed(field: str, value: Any, allowed: Sequence[str]) -> Mapping:
+    """A mapping whose keys are all in `allowed` (None reads as empty); the caller checks the values."""
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ValidationError(f"{field}: expected a mapping, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(allowed), key=str)
+    if unknown:
+        raise ValidationError(f"{field}: unknown key(s) {unknown}; allowed: {', '.join(allowed)}")
+    return value
+
+
 def record(field: str, value: Any, names: Sequence[str]) -> dict[str, Any]:
     """Reads `names` from a mapping, a dataclass or any object with attributes (the engine's metrics
     record is attribute-access). A nested `metrics` (mapping or object) is merged in, so both
@@ -128,13 +140,7 @@ SAMPLING_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop"
 
 def sampling_params(field: str, value: Any) -> dict[str, Any]:
     """The engine's SamplingParams as a dict; every key optional, no unknown keys."""
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise ValidationError(f"{field}: expected a mapping, got {type(value).__name__}")
-    unknown = sorted(set(value) - set(SAMPLING_PARAMS), key=str)
-    if unknown:
-        raise ValidationError(f"{field}: unknown key(s) {unknown}; allowed: {', '.join(SAMPLING_PARAMS)}")
+    value = keyed(field, value, SAMPLING_PARAMS)
     checks = {
         "max_tokens": lambda v: integer(f"{field}.max_tokens", v, 1, "MAX_TOKENS"),
         "temperature": lambda v: number(f"{field}.temperature", v, 0.0, "MAX_TEMPERATURE"),

@@ -1,0 +1,87 @@
+"""pass@N runs as jobs: status changes, per-problem timing, checked code, interruption, owners, forks;
+side-by-side columns with their own settings and test outcomes."""
+import pytest
+
+from laneplay.storage import NotFound, ValidationError
+
+OWNER, OTHER = "o" * 30, "p" * 30
+
+
+def _run(store, owner=OWNER, **kw):
+    sid = store.create_session(title="t", owner=owner)
+    cid = store.create_comparison(problem_set="humaneval", problem_ids=["HumanEval/0", "HumanEval/1"], n=2,
+                                  temperature=0.8, session_id=sid, settings={"top_p": 0.95, "max_tokens": 64},
+                                  **kw)
+    return sid, cid
+
+
+def test_a_run_moves_from_running_to_done_and_keeps_its_settings_timing_and_code(store):
+    sid, cid = _run(store)
+    assert store.get_comparison(cid)["status"] == "running"
+    store.add_sample_results(cid, [{"problem_id": "HumanEval/0", "sample_index": 0, "status": "fail",
+                                    "error": "AssertionError", "code": "def f():\n    return 1\n"}])
+    store.set_problem_timing(cid, "HumanEval/0", {"greedy_ms": 120.0, "batch_ms": 300.5, "batch_tokens": 40})
+    store.set_passk(cid, {1: 0.0, 2: 0.5}, greedy_pass1=0.0)
+    c = store.get_comparison(cid)
+    assert c["status"] == "done" and c["finished_at"] is not None
+    assert c["settings"] == {"top_p": 0.95, "max_tokens": 64}
+    assert c["timing"]["HumanEval/0"]["batch_ms"] == 300.5
+    assert c["results"][0]["code"].startswith("def f()")
+    with pytest.raises(ValidationError):
+        store.set_problem_timing(cid, "HumanEval/9", {"greedy_ms": 1.0})
+    with pytest.raises(ValidationError):
+        store.set_problem_timing(cid, "HumanEval/0", {"wall": 1.0})
+    with pytest.raises(ValidationError):
+        store.create_comparison(problem_set="x", problem_ids=["a"], n=1, temperature=0.5, settings={"bogus": 1})
+
+
+def test_an_ended_run_stays_ended_and_unfinished_runs_become_interrupted(store):
+    _, cid = _run(store)
+    store.set_run_status(cid, "cancelled")
+    store.set_run_status(cid, "running")  # a late update from the cancelled job
+    assert store.get_comparison(cid)["status"] == "cancelled"
+    _, running = _run(store)
+    _, queued = _run(store, status="queued")
+    store.add_sample_results(running, [{"problem_id": "HumanEval/0", "sample_index": 1, "status": "pass"}])
+    assert store.interrupt_unfinished() == 2
+    assert store.get_comparison(running)["status"] == "interrupted"
+    assert store.get_comparison(queued)["status"] == "interrupted"
+    assert len(store.get_comparison(running)["results"]) == 1  # what finished is kept
+    with pytest.raises(ValidationError):
+        store.set_run_status(cid, "paused")
+    with pytest.raises(NotFound):
+        store.set_run_status("x" * 22, "done")
+
+
+def test_runs_are_listed_per_owner_with_their_progress(store):
+    _, mine = _run(store)
+    _, theirs = _run(store, owner=OTHER)
+    store.add_sample_results(mine, [{"problem_id": "HumanEval/0", "sample_index": 0, "status": "pass"}])
+    listed = store.list_comparisons(owner=OWNER)
+    assert [c["id"] for c in listed] == [mine]
+    assert listed[0]["results_stored"] == 1 and listed[0]["problems"] == 2
+    assert store.owns_comparison(mine, OWNER) and not store.owns_comparison(theirs, OWNER)
+    assert {c["id"] for c in store.list_comparisons()} >= {mine, theirs}
+
+
+def test_columns_keep_their_settings_and_test_outcome_through_share_and_fork(store):
+    sid = store.create_session(title="sbs", owner=OWNER, columns=3)
+    rows = [{"sample_index": i, "text": f"col {i}", "seed": i, "temperature": t, "top_p": p, "top_k": k,
+             "kind": "side-by-side", "prompt_tokens": 5, "completion_tokens": 3}
+            for i, (t, p, k) in enumerate([(0.0, 1.0, 0), (0.2, 0.9, 40), (0.8, 0.95, 0)])]
+    batch = store.add_generations(sid, rows)
+    store.set_generation_test(sid, batch, 1, "fail", "AssertionError: x")
+    _, cid = _run(store)
+    with pytest.raises(NotFound):
+        store.set_generation_test(sid, batch, 7, "pass")
+    with pytest.raises(ValidationError):
+        store.add_generations(sid, [{**rows[0], "kind": "sideways"}])
+    running = store.create_comparison(problem_set="humaneval", problem_ids=["HumanEval/0"], n=1,
+                                      temperature=0.5, session_id=sid)
+    token, _ = store.share_session(sid)
+    forked = store.get_session(store.fork_shared(token, owner=OTHER), owner=OTHER)
+    gens = forked["generations"]
+    assert [g["top_k"] for g in gens] == [0, 40, 0] and gens[1]["test_status"] == "fail"
+    assert all(g["kind"] == "side-by-side" for g in gens)
+    assert [c["status"] for c in forked["comparisons"]] == ["interrupted"]  # a copy is never a live job
+    assert store.get_comparison(running)["status"] == "running" and cid
