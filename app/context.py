@@ -5,6 +5,7 @@ import secrets
 from dataclasses import dataclass
 
 from laneplay.app.client import EngineClient
+from laneplay.app.jobs import JobManager
 from laneplay.app.supervisor import Engine
 from laneplay.storage import Store
 
@@ -40,6 +41,12 @@ def owner_of(request) -> str | None:
 class AppContext:
     engine: Engine
     store: Store
+    jobs: JobManager | None = None  # pass@N runs; made from the engine and store when not given
+    single_ms_per_token: float | None = None  # the engine's decode step at batch 1, as the app last measured it
+
+    def __post_init__(self):
+        if self.jobs is None:
+            self.jobs = JobManager(self.store, self.engine)
 
     def client(self) -> EngineClient:
         return EngineClient(self.engine.url, api_key=self.engine.api_key)

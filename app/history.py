@@ -12,6 +12,26 @@ from laneplay.app.meter import MeterData, render
 from laneplay.storage import ValidationError
 
 COLUMNS = ["Title", "Model", "Updated (UTC)", "Best tokens/s", "Generations", "Share links"]
+RUN_COLUMNS = ["Run", "Status", "Problems", "N", "T", "pass@1", "best pass@k", "greedy pass@1", "Started (UTC)"]
+
+
+def run_rows(ctx: AppContext, owner: str | None) -> tuple[list[list], list[str]]:
+    """This browser's pass@N runs (any session of its own), newest first."""
+    if owner is None:
+        return [], []
+    runs = ctx.store.list_comparisons(limit=200, owner=owner)
+
+    def num(x):
+        return None if x is None else round(x, 3)
+
+    table = []
+    for r in runs:
+        passk = {p["k"]: p["value"] for p in r["passk"]}
+        best = max(passk.items()) if passk else None
+        table.append([r["problem_set"], r["status"], r["problems"], r["n"], r["temperature"], num(passk.get(1)),
+                      f"pass@{best[0]} = {best[1]:.3f}" if best else None, num(r["greedy_pass1"]),
+                      (r["created_at"] or "")[:19].replace("T", " ")])
+    return table, [r["id"] for r in runs]
 
 
 def rows(ctx: AppContext, owner: str | None) -> tuple[list[list], list[str]]:
@@ -46,7 +66,7 @@ def stored_meter(session: dict, note: str) -> dict | None:
                             world_size=g["world_size"], note=note))
 
 
-def build(ctx: AppContext, session_id: gr.State, pg: dict, tabs: gr.Tabs) -> dict:
+def build(ctx: AppContext, session_id: gr.State, pg: dict, tabs: gr.Tabs, pn: dict) -> dict:
     gr.Markdown("Sessions of this browser (kept in the app's database; other browsers never see them).")
     count = gr.HTML('<span id="history-count" data-count="" data-seq="0"></span>', elem_id="history-count-box")
     ids = gr.State([])
@@ -65,6 +85,11 @@ def build(ctx: AppContext, session_id: gr.State, pg: dict, tabs: gr.Tabs) -> dic
                                   interactive=True, scale=3)
         revoke_btn = gr.Button("Revoke link", elem_id="revoke", scale=1)
     notice = gr.Markdown("", elem_id="history-notice")
+    gr.Markdown("pass@N runs of this browser (they are part of their session's share links).")
+    run_ids = gr.State([])
+    selected_run = gr.State(None)
+    runs_table = gr.Dataframe(headers=RUN_COLUMNS, value=[], interactive=False, elem_id="history-runs", wrap=True)
+    open_run_btn = gr.Button("Open run in pass@N", elem_id="history-open-run")
 
     refreshes = itertools.count(1)
 
@@ -73,7 +98,17 @@ def build(ctx: AppContext, session_id: gr.State, pg: dict, tabs: gr.Tabs) -> dic
         n = len(session_ids)
         summary = (f'<span id="history-count" data-count="{n}" data-seq="{next(refreshes)}">'
                    f'{n} session{"s" if n != 1 else ""}</span>')
-        return table_rows, session_ids, summary
+        return (table_rows, session_ids, summary, *run_rows(ctx, owner_of(request)))
+
+    def pick_run(ids_now, evt: gr.SelectData):
+        row = evt.index[0] if isinstance(evt.index, (list, tuple)) else evt.index
+        return ids_now[row] if row is not None and row < len(ids_now) else None
+
+    def open_run(run_id, request: gr.Request):
+        owner = owner_of(request)
+        if not run_id or not ctx.store.owns_comparison(run_id, owner):
+            return (gr.update(),) * 6 + ("Select one of your runs first.", gr.update())
+        return (run_id, *pn["render"](run_id, owner)) + ("", gr.Tabs(selected="passn"))
 
     def pick(session_ids, evt: gr.SelectData, request: gr.Request):
         row = evt.index[0] if isinstance(evt.index, (list, tuple)) else evt.index
@@ -123,7 +158,9 @@ def build(ctx: AppContext, session_id: gr.State, pg: dict, tabs: gr.Tabs) -> dic
                 gr.Tabs(selected="playground"))
 
     quiet = {"show_progress": "hidden"}  # no progress timers inside the notice or the table
-    reload = (refresh, None, [table, ids, count])
+    reload = (refresh, None, [table, ids, count, runs_table, run_ids])
+    runs_table.select(pick_run, [run_ids], [selected_run], show_progress="hidden")
+    open_run_btn.click(open_run, [selected_run], pn["open_outputs"] + [notice, tabs], show_progress="hidden")
     table.select(pick, [ids], [selected, title, links, link_choice], **quiet)
     rename_btn.click(rename, [selected, title], [notice], **quiet).then(*reload, **quiet)
     delete_btn.click(delete, [selected], [notice, selected], **quiet).then(*reload, **quiet)
@@ -131,4 +168,5 @@ def build(ctx: AppContext, session_id: gr.State, pg: dict, tabs: gr.Tabs) -> dic
     open_btn.click(open_session, [selected], [session_id, pg["code"], pg["instruction"], pg["temperature"],
                                               pg["top_p"], pg["top_k"], pg["max_tokens"], pg["output"], pg["meter"],
                                               pg["last"], notice, tabs], show_progress="hidden")
-    return {"table": table, "ids": ids, "count": count, "refresh": refresh}
+    return {"table": table, "ids": ids, "count": count, "refresh": refresh,
+            "outputs": [table, ids, count, runs_table, run_ids]}

@@ -23,11 +23,11 @@ EXAMPLE_CODE = "def is_palindrome(s: str) -> bool:\n"
 EXAMPLE_INSTRUCTION = "Write a Python function is_palindrome(s) that ignores case and non-alphanumeric characters."
 
 
-def error_html(message: str) -> str:
-    """The visible error line: our own element `#error` (empty when there is nothing wrong)."""
+def error_html(message: str, elem_id: str = "error") -> str:
+    """The visible error line: our own element `#error` (or `elem_id`), empty when there is nothing wrong."""
     if not message:
-        return '<div id="error" class="lp-error-none"></div>'
-    return f'<div id="error" class="lp-error" role="alert">{html.escape(message)}</div>'
+        return f'<div id="{elem_id}" class="lp-error-none"></div>'
+    return f'<div id="{elem_id}" class="lp-error" role="alert">{html.escape(message)}</div>'
 
 
 
@@ -53,6 +53,29 @@ def idle_meter(ctx: AppContext) -> str:
         return render(MeterData(state="loading", note=e.detail), resting=True)
     return render(MeterData(state="idle", device=info.get("device"), world_size=info.get("world_size"),
                             source="server" if info.get("laneplay", True) else "app"), resting=True)
+
+
+async def stream_to(ctx: AppContext, body: dict, chat: bool, put) -> None:
+    """The engine's stream into `put` (an async callable): StreamEvents, or an EngineError, then None.
+    Run it in a task of its own so that Stop never waits for a token; cancelling the task closes the
+    stream, which the engine takes as a cancel. An engine that was just restarted may refuse the first
+    connection: that is waited for, once."""
+    for attempt in (1, 2):
+        got_any = False
+        try:
+            async for item in ctx.client().stream(body, chat):
+                got_any = True
+                await put(item)
+        except EngineError as e:
+            if attempt == 1 and not got_any and e.kind == "unreachable":
+                for _ in range(60):
+                    await asyncio.sleep(0.5)
+                    if ctx.engine.ready:
+                        break
+                continue
+            await put(e)
+        break
+    await put(None)
 
 
 def _page_key(request) -> str:
@@ -155,27 +178,7 @@ def build(ctx: AppContext, session_id: gr.State) -> dict:
         finish, server_timing, failure, usage = None, None, None, None
         last_push = 0.0
         events: asyncio.Queue = asyncio.Queue()
-
-        async def pump():  # the engine's stream, read in its own task so that Stop never waits for a token
-            for attempt in (1, 2):
-                got_any = False
-                try:
-                    async for item in ctx.client().stream(body, chat):
-                        got_any = True
-                        await events.put(item)
-                except EngineError as e:
-                    # An engine that was just restarted may refuse the first connection: wait for it, once.
-                    if attempt == 1 and not got_any and e.kind == "unreachable":
-                        for _ in range(60):
-                            await asyncio.sleep(0.5)
-                            if ctx.engine.ready:
-                                break
-                        continue
-                    await events.put(e)
-                break
-            await events.put(None)
-
-        reader = asyncio.create_task(pump())
+        reader = asyncio.create_task(stream_to(ctx, body, chat, events.put))
         try:
             while True:
                 try:
@@ -233,6 +236,7 @@ def build(ctx: AppContext, session_id: gr.State) -> dict:
             meter_data.source = "server"
             meter_data.device = server_timing.get("device", meter_data.device)
             meter_data.world_size = server_timing.get("world_size", meter_data.world_size)
+            ctx.single_ms_per_token = meter_data.ms_per_token or ctx.single_ms_per_token  # Side by side's reference
         else:
             meter_data.source = "app"
         meter_data.state = "done"
@@ -289,7 +293,8 @@ def build(ctx: AppContext, session_id: gr.State) -> dict:
     gr.Timer(1.0).tick(tick, None, [engine_status], concurrency_limit=None, show_progress="hidden")
     return {"code": code, "instruction": instruction, "mode": mode, "temperature": temperature, "top_p": top_p,
             "top_k": top_k, "max_tokens": max_tokens, "seed": seed, "stops": stops, "output": output,
-            "meter": meter, "error": error, "share_box": share_box, "busy": busy, "last": last}
+            "meter": meter, "error": error, "share_box": share_box, "busy": busy, "last": last,
+            "make_share": make_share}
 
 
 def _store(ctx, sid, owner, code_text, instruction_text, params, mode_value, text, timer, server, finish, info,
@@ -308,12 +313,22 @@ def _store(ctx, sid, owner, code_text, instruction_text, params, mode_value, tex
     stored_params = {k: params[k] for k in ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop")
                      if k in params}
     stored_params["top_k"] = min(stored_params.get("top_k", 0), 1000)
-    fields = dict(code=code_text, instruction=instruction_text, params=stored_params,
-                  model=str(info.get("model") or "")[:200], device=str(info.get("device") or "")[:32],
-                  world_size=max(1, min(int(info.get("world_size") or 1), 8)))
+    return save_batch(ctx, sid, owner, code_text, instruction_text, info, [record], params=stored_params)[0]
+
+
+def save_batch(ctx, sid, owner, code_text, instruction_text, info, records: list[dict], params: dict | None = None,
+               **fields) -> tuple[str, int]:
+    """One batch of generations and the editor state it came from, in the session (created on first use,
+    when this browser does not own `sid`). `params`: the session's sampling settings (None: kept as they
+    are); `fields`: other session fields (e.g. columns). Returns (session id, batch number)."""
+    fields = dict(code=code_text, instruction=instruction_text, model=str(info.get("model") or "")[:200],
+                  device=str(info.get("device") or "")[:32],
+                  world_size=max(1, min(int(info.get("world_size") or 1), 8)), **fields)
+    if params is not None:
+        fields["params"] = params
     if not sid or not ctx.store.owns(sid, owner):
-        sid = ctx.store.create_session(title=session_title(code_text, instruction_text), owner=owner, **fields)
+        sid = ctx.store.create_session(title=session_title(code_text, instruction_text), owner=owner,
+                                       **{"params": {}, **fields})
     else:
         ctx.store.update_session(sid, **fields)
-    ctx.store.add_generations(sid, [record])
-    return sid
+    return sid, ctx.store.add_generations(sid, records)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import html
 import json
+import logging
 import os
+from contextlib import asynccontextmanager
 from importlib import resources
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
@@ -19,11 +21,12 @@ from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse  # noqa: E402
 from fastapi.staticfiles import StaticFiles  # noqa: E402
 
-from laneplay.app import history, playground  # noqa: E402
+from laneplay.app import history, passn, passn_view, playground, sidebyside  # noqa: E402
 from laneplay.app.context import OWNER_COOKIE, AppContext, new_owner_id, owner_of  # noqa: E402
 from laneplay.app.meter import MeterData, render  # noqa: E402
 from laneplay.storage import share  # noqa: E402
 
+log = logging.getLogger("laneplay.app")
 STATIC_URL = "/static/lp"  # Gradio owns /static itself
 NOT_FOUND = "This link does not exist or was revoked"
 SHARE_HEADERS = {"Cache-Control": "no-store", "Referrer-Policy": "no-referrer", "X-Content-Type-Options": "nosniff",
@@ -43,9 +46,15 @@ def build_ui(ctx: AppContext) -> gr.Blocks:
         with gr.Tabs(elem_id="tabs") as tabs:
             with gr.Tab("Playground", id="playground", elem_id="tab-playground"):
                 pg = playground.build(ctx, session_id)
+            with gr.Tab("Side by side", id="side-by-side", elem_id="tab-side-by-side") as sbs_tab:
+                sbs = sidebyside.build(ctx, session_id, pg, tabs)
+            with gr.Tab("pass@N", id="passn", elem_id="tab-passn") as passn_tab:
+                pn = passn.build(ctx, session_id, pg)
             with gr.Tab("History", id="history", elem_id="tab-history") as history_tab:
-                hist = history.build(ctx, session_id, pg, tabs)
-        history_tab.select(hist["refresh"], None, [hist["table"], hist["ids"], hist["count"]], show_progress="hidden")
+                hist = history.build(ctx, session_id, pg, tabs, pn)
+        history_tab.select(hist["refresh"], None, hist["outputs"], show_progress="hidden")
+        passn_tab.select(pn["refresh_runs"], None, [pn["runs"]], show_progress="hidden")
+        sbs_tab.select(sbs["refresh"], sbs["refresh_inputs"], sbs["refresh_outputs"], show_progress="hidden")
 
         def on_load(request: gr.Request):
             """A fork lands on /?session=<id>: open it when this browser owns it."""
@@ -60,12 +69,22 @@ def build_ui(ctx: AppContext) -> gr.Blocks:
 
         demo.load(on_load, None, [session_id, pg["code"], pg["instruction"], pg["output"], pg["meter"], pg["last"]],
                   show_progress="hidden")
+        demo.load(pn["on_load"], None, pn["load_outputs"], show_progress="hidden")
     demo.queue(default_concurrency_limit=None, max_size=256)
     return demo
 
 
 def create_app(ctx: AppContext) -> FastAPI:
-    app = FastAPI(title="Laneplay", docs_url=None, redoc_url=None, openapi_url=None)
+    interrupted = ctx.store.interrupt_unfinished()  # runs of a server that stopped: kept, marked interrupted
+    if interrupted:
+        log.warning("%d pass@N run(s) of a previous server were left unfinished; marked interrupted", interrupted)
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        yield
+        await ctx.jobs.shutdown()  # running jobs end as interrupted, with what they finished
+
+    app = FastAPI(title="Laneplay", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
 
     @app.middleware("http")
     async def owner_cookie(request: Request, call_next):
@@ -87,6 +106,23 @@ def create_app(ctx: AppContext) -> FastAPI:
             return HTMLResponse(not_found_page(), status_code=404, headers=SHARE_HEADERS)
         return HTMLResponse(share_page(token, snap), headers=SHARE_HEADERS)
 
+    @app.get("/api/runs/{run_id}/sample")
+    async def run_sample(run_id: str, request: Request, problem: str = "", greedy: int = 0, index: int = 0):
+        """A sample of one of this browser's runs (the grid's cells); nobody else's."""
+        if not ctx.store.owns_comparison(run_id, owner_of(request)):
+            return JSONResponse({"error": "not found"}, status_code=404, headers=SHARE_HEADERS)
+        rec = sample_record(ctx.store.get_comparison(run_id), problem, greedy, index)
+        return JSONResponse(rec or {"error": "not found"}, status_code=200 if rec else 404, headers=SHARE_HEADERS)
+
+    @app.get("/s/{token}/runs/{position}/sample")
+    async def shared_sample(token: str, position: int, problem: str = "", greedy: int = 0, index: int = 0):
+        """A sample of a run inside a share link's snapshot (as frozen then; runs go by position)."""
+        snap = ctx.store.get_shared(token)
+        runs = (snap or {}).get("comparisons") or []
+        run = runs[position] if 0 <= position < len(runs) else None
+        rec = sample_record(run, problem, greedy, index)
+        return JSONResponse(rec or {"error": "not found"}, status_code=200 if rec else 404, headers=SHARE_HEADERS)
+
     @app.post("/s/{token}/fork")
     async def fork(token: str, request: Request):
         owner = owner_of(request)
@@ -104,7 +140,8 @@ def create_app(ctx: AppContext) -> FastAPI:
 
     app.mount(STATIC_URL, StaticFiles(directory=static_dir()), name="laneplay-static")
     head = (f'<link rel="stylesheet" href="{STATIC_URL}/laneplay.css">'
-            f'<script src="{STATIC_URL}/meter.js" defer></script>')
+            f'<link rel="stylesheet" href="{STATIC_URL}/passn.css">'
+            f'<script src="{STATIC_URL}/meter.js" defer></script><script src="{STATIC_URL}/passn.js" defer></script>')
     return gr.mount_gradio_app(app, build_ui(ctx), path="/", head=head, theme=THEME, footer_links=[],
                                css=".lp-title{font-size:18px;padding:2px 0}")
 
@@ -116,8 +153,42 @@ def _page(title: str, body: str) -> str:
             "<meta name='viewport' content='width=device-width, initial-scale=1'>"
             "<meta name='referrer' content='no-referrer'>"
             f"<title>{html.escape(title)}</title><link rel='stylesheet' href='{STATIC_URL}/laneplay.css'>"
-            f"<link rel='stylesheet' href='{STATIC_URL}/share.css'><script src='{STATIC_URL}/meter.js' defer></script>"
+            f"<link rel='stylesheet' href='{STATIC_URL}/share.css'>"
+            f"<link rel='stylesheet' href='{STATIC_URL}/passn.css'>"
+            f"<script src='{STATIC_URL}/meter.js' defer></script>"
+            f"<script src='{STATIC_URL}/passn.js' defer></script>"
             f"</head><body><main class='lp-share-page'>{body}</main></body></html>")
+
+
+def share_runs(token: str, runs: list[dict]) -> str:
+    """A snapshot's pass@N runs, read-only: progress, grid (cells open their code), table and chart each;
+    one chart of them all when there are several. The newest run carries the tab's element ids."""
+    if not runs:
+        return ""
+    parts = []
+    newest_first = sorted(enumerate(runs), key=lambda x: x[1].get("created_at") or "", reverse=True)
+    for i, (position, run) in enumerate(newest_first):
+        sfx = "" if i == 0 else f"-{i}"
+        src = f"/s/{token}/runs/{position}/sample"  # a snapshot holds no run ids: runs go by position
+        grid = passn_view.grid_html(run, src, "passn-grid" + sfx, "passn-detail" + sfx)
+        parts.append(f"<section class='lp-run'><h3>{html.escape(passn_view.label(run))}</h3>"
+                     f"{passn_view.progress_html(run, elem_id='passn-progress' + sfx)}"
+                     f"<div class='lp-run-cols'><div>{grid}{passn_view.detail_box('passn-detail' + sfx)}</div><div>"
+                     f"{passn_view.table_html(run, 'passn-table' + sfx)}"
+                     f"{passn_view.chart_svg([run], 'passn-chart' + sfx)}</div></div></section>")
+    if len(runs) > 1:
+        parts.append(f"<h3>All runs compared</h3>{passn_view.compare_html(runs)}"
+                     f"{passn_view.chart_svg(runs, 'passn-compare-chart')}")
+    return "<h2>pass@N runs</h2>" + "".join(parts)
+
+
+def sample_record(run: dict | None, problem: str, greedy: int, index: int) -> dict | None:
+    """One checked sample of a run, for a clicked grid cell."""
+    for r in (run or {}).get("results") or []:
+        if r["problem_id"] == problem and bool(r["greedy"]) == bool(greedy) and r["sample_index"] == index:
+            return {k: r[k] for k in ("problem_id", "greedy", "sample_index", "status", "error", "runtime_s",
+                                      "completion_tokens", "code")}
+    return None
 
 
 def not_found_page() -> str:
@@ -130,20 +201,21 @@ def share_page(token: str, snap: dict) -> str:
     params = snap.get("params") or {}
     param_text = ", ".join(f"{k}={json.dumps(v)}" for k, v in params.items()) or "defaults"
     gens = snap.get("generations") or []
-    outputs = []
-    for i, g in enumerate(reversed(gens)):
+    outputs, batches = [], set()
+    plain = [g for g in gens if g.get("kind") != "side-by-side"]
+    for g in reversed(gens):  # side-by-side batches as columns (newest first), then the Playground's outputs
+        if g.get("kind") == "side-by-side" and g["batch"] not in batches:
+            batches.add(g["batch"])
+            outputs.append(sidebyside.share_html([x for x in gens if x["batch"] == g["batch"]]))
+    for i, g in enumerate(reversed(plain)):
         meter = render(MeterData(state="done", tokens=g["completion_tokens"] or 0, tps=g["decode_tokens_per_second"],
                                  ttft_ms=g["ttft_ms"], ms_per_token=g["ms_per_token"], device=g["device"],
                                  world_size=g["world_size"], note=f"finish: {g['finish_reason'] or '–'}"),
                        elem_id="meter" if i == 0 else f"meter-{i}", compact=True)
-        outputs.append(f"<section class='lp-gen'><h3>Output {len(gens) - i} · seed {esc(str(g['seed']))} · "
+        outputs.append(f"<section class='lp-gen'><h3>Output {len(plain) - i} · seed {esc(str(g['seed']))} · "
                        f"temperature {esc(str(g['temperature']))}</h3>{meter}"
                        f"<pre class='lp-code' {'id=output' if i == 0 else ''}>{esc(g['text'])}</pre></section>")
-    runs = []
-    for c in snap.get("comparisons") or []:
-        passk = ", ".join(f"pass@{p['k']} = {p['value']:.3f}" for p in c.get("passk") or []) or "unfinished"
-        runs.append(f"<li>{esc(c['problem_set'])}: {len(c['problem_ids'])} problems, N={c['n']}, "
-                    f"T={c['temperature']}: {esc(passk)}; greedy pass@1 = {esc(str(c.get('greedy_pass1')))}</li>")
+    runs = share_runs(token, snap.get("comparisons") or [])
     body = (f"<header><a href='/' class='lp-brand'>Laneplay</a> · shared session (read-only snapshot from "
             f"{esc((snap.get('shared_at') or '')[:19].replace('T', ' '))} UTC)</header>"
             f"<h1>{esc(snap.get('title') or 'Untitled session')}</h1>"
@@ -154,7 +226,7 @@ def share_page(token: str, snap: dict) -> str:
             f"<h2>Instruction</h2><pre class='lp-text' id='instruction'>{esc(snap.get('instruction') or '')}</pre>"
             f"<h2>Code</h2><pre class='lp-code' id='code'>{esc(snap.get('code') or '')}</pre>"
             f"<h2>Outputs</h2>{''.join(outputs) or '<p>No outputs yet.</p>'}"
-            + (f"<h2>pass@N runs</h2><ul>{''.join(runs)}</ul>" if runs else ""))
+            + runs)
     return _page(f"{snap.get('title') or 'Shared session'} · Laneplay", body)
 
 

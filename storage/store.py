@@ -107,7 +107,13 @@ def _comparison_fields(problem_set: Any, problem_ids: Any, n: Any, temperature: 
             "tests": tests}
 
 
-SETTING_NAMES = ("top_p", "max_tokens", "seed", "mode", "timeout_s", "engine")
+SETTING_NAMES = ("top_p", "max_tokens", "seed", "mode", "timeout_s", "engine", "prompt", "entry_point", "step_ms")
+
+
+def _step_ms(value: Any) -> dict[str, float]:
+    """Measured decode step time per batch size: {"1": ms, "2": ms, ...} (batch sizes up to MAX_SAMPLES)."""
+    value = v.keyed("settings.step_ms", value, [str(k) for k in range(1, limits.MAX_SAMPLES + 1)])
+    return {k: v.number(f"settings.step_ms.{k}", x, 0.0, "MAX_METRIC") for k, x in value.items()}
 
 
 def _settings(value: Any) -> dict[str, Any]:
@@ -120,6 +126,9 @@ def _settings(value: Any) -> dict[str, Any]:
         "mode": lambda x: v.one_of("settings.mode", x, ("base", "instruct")),
         "timeout_s": lambda x: v.number("settings.timeout_s", x, 0.0, "MAX_RUNTIME_S", lo_open=True),
         "engine": lambda x: v.text("settings.engine", x, "MAX_MODEL_CHARS"),
+        "prompt": lambda x: v.text("settings.prompt", x, "MAX_CODE_CHARS"),  # a user problem's prompt
+        "entry_point": lambda x: v.text("settings.entry_point", x, "MAX_PROBLEM_ID_CHARS"),
+        "step_ms": _step_ms,
     }
     return {k: checks[k](x) for k, x in value.items()}
 
@@ -355,6 +364,13 @@ class Store:
                 raise ValidationError(f"problem_id: {str(problem_id)[:40]!r} is not one of the comparison's problem_ids")
             c.timing = {**(c.timing or {}), problem_id: timing}
 
+    def update_run_settings(self, comparison_id: str, settings: Mapping[str, Any]) -> None:
+        """Merges `settings` (SETTING_NAMES) into a run's settings, e.g. step times measured as it starts."""
+        settings = _settings(settings)
+        with self._write() as s:
+            c = self._comparison(s, comparison_id)
+            c.settings = {**(c.settings or {}), **settings}
+
     def interrupt_unfinished(self) -> int:
         """At start-up: runs left queued or running by a server that stopped are marked interrupted
         (their stored results stay). Returns how many."""
@@ -440,7 +456,8 @@ class Store:
             query = query.join(PlaySession, PlaySession.id == Comparison.session_id).where(
                 PlaySession.owner_hash == _owner_hash(owner))
         with self._read() as s:
-            return [{**r.summary(), "problems": len(r.problem_ids), "results_stored": done or 0}
+            return [{**r.summary(), "problems": len(r.problem_ids), "problem_ids": list(r.problem_ids),
+                     "results_stored": done or 0}
                     for r, done in s.execute(query)]
 
     def owns_comparison(self, comparison_id: str, owner: str | None) -> bool:

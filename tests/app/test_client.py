@@ -4,16 +4,15 @@ taken on the app side, and failures are one clear sentence."""
 import asyncio
 import json
 import socket
-import threading
-import time
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from laneplay.app.client import EngineClient, EngineError, StreamTimer
 from laneplay.app.supervisor import RemoteEngine
+
+from .serving import serve
 
 
 def other_server() -> FastAPI:
@@ -48,16 +47,8 @@ def other_server() -> FastAPI:
 
 @pytest.fixture(scope="module")
 def url():
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(other_server(), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(10)
+    with serve(other_server()) as base:
+        yield base
 
 
 async def collect(client, body):

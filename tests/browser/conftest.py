@@ -1,6 +1,8 @@
 """Browser tests: Python Playwright driving Debian's chromium against a real `laneplay serve`.
 
-The server (with its local engine, the embedded default model) starts once per test module. Every
+The server (with its local engine, the embedded default model) and the browser start once per test run
+(loading the model is most of a module's time on the 2-core machine); each test module uses its own
+browser contexts, so cookies, and so History, never leak from one module into another. Every
 request a page makes is recorded; anything not addressed to 127.0.0.1 is aborted and fails the test.
 """
 from __future__ import annotations
@@ -55,7 +57,7 @@ class Server:
         raise AssertionError(f"the engine was not ready in {timeout} s:\n{self.log.read_text()[-3000:]}")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def server(tmp_path_factory):
     if not os.path.exists(CHROMIUM):
         pytest.fail("chromium is required for the browser tests (the Makefile installs it with apt-get)")
@@ -88,7 +90,7 @@ def server(tmp_path_factory):
         proc.wait(5)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def browser():
     from playwright.sync_api import sync_playwright
 

@@ -210,6 +210,8 @@ def test_a_killed_engine_is_an_error_then_restarted(server, owner):
     assert "engine" in page.inner_text("#error").lower()
     server.wait_ready(timeout=240)
     generate(page, INSTRUCTION, max_tokens=8)
+    # The meter still shows the last request's end (an earlier test's bad input): wait for this one first.
+    wait_state(page, ["queued", "loading", "running", "done"], timeout=60)
     end = wait_state(page, ["done", "error"], timeout=120)["state"]
     assert end == "done", (page.inner_text("#error"), page.get_attribute("#meter", "data-state"), server.status())
     page.wait_for_function("() => document.querySelector('#error').innerText.trim() === ''", timeout=10_000)
@@ -243,3 +245,28 @@ def test_ten_browsers_generating_at_once_all_complete(server, new_context):
     # The engine runs one request at a time: the others wait in its queue, and their meters say so.
     waited = sum(any("in the engine's queue" in n for n in ns) for ns in notes)
     assert waited >= 3, (seen, notes)
+
+
+def test_rename_and_delete_a_session_in_history(server, owner):
+    _, _, page = owner
+    before = history_rows(page)
+    assert before, "the earlier tests left sessions in this browser's History"
+    page.locator('#history [role=row][aria-rowindex="2"] [role=gridcell]').first.click()
+    page.wait_for_function("() => document.querySelector('#history-title textarea, #history-title input')"
+                           ".value.length > 0")
+    title = page.locator("#history-title textarea, #history-title input").first
+    title.fill("Renamed in the browser test")
+    title.press("Tab")
+    time.sleep(0.3)
+    page.click("#history-rename")
+    page.wait_for_function("() => document.querySelector('#history-notice').innerText.includes('Renamed')")
+    after = history_rows(page)
+    assert len(after) == len(before) and sum("Renamed in the browser test" in r for r in after) == 1
+    row = next(i for i, r in enumerate(after) if "Renamed in the browser test" in r)
+    page.locator(f'#history [role=row][aria-rowindex="{row + 2}"] [role=gridcell]').first.click()
+    page.wait_for_function("() => document.querySelector('#history-title textarea, #history-title input')"
+                           ".value === 'Renamed in the browser test'")
+    page.click("#history-delete")
+    page.wait_for_function("() => document.querySelector('#history-notice').innerText.includes('Deleted')")
+    gone = history_rows(page)
+    assert len(gone) == len(before) - 1 and not any("Renamed in the browser test" in r for r in gone)

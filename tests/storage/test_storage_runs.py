@@ -85,3 +85,17 @@ def test_columns_keep_their_settings_and_test_outcome_through_share_and_fork(sto
     assert all(g["kind"] == "side-by-side" for g in gens)
     assert [c["status"] for c in forked["comparisons"]] == ["interrupted"]  # a copy is never a live job
     assert store.get_comparison(running)["status"] == "running" and cid
+
+
+def test_run_settings_merge_and_are_checked(store):
+    sid = store.create_session(title="t", owner="o" * 32)
+    cid = store.create_comparison(problem_set="user", problem_ids=["user/0"], n=2, temperature=0.8, session_id=sid,
+                                  tests=["assert f(1) == 1"], settings={"prompt": "def f(x):\n", "entry_point": "f"})
+    store.update_run_settings(cid, {"step_ms": {"1": 10.5, "2": 12.0}})
+    got = store.get_comparison(cid)["settings"]
+    assert got == {"prompt": "def f(x):\n", "entry_point": "f", "step_ms": {"1": 10.5, "2": 12.0}}
+    for bad in ({"step_ms": {"17": 1.0}}, {"step_ms": {"1": -1.0}}, {"step_ms": [1]}, {"prompt": "x" * 70000},
+                {"colour": "red"}):
+        with pytest.raises(ValidationError):
+            store.update_run_settings(cid, bad)
+    assert store.get_comparison(cid)["settings"] == got

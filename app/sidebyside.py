@@ -1,0 +1,607 @@
+"""The Side by side tab: one prompt, 2-4 columns with their own sampling settings, decoded as ONE batch.
+
+The prompt is the Playground's (editor, instruction, mode). Generate sends one request with the engine's
+`samples` extension, one entry per column (temperature, top-p, top-k, seed): the columns share one
+prefill and decode together, and each streamed choice goes to its column by its `index`. A server
+without the extension (no `laneplay` field) gets one concurrent request per column instead. Every column
+has the Playground's meter (the same data-* attributes), "Use this" (its code into the editor) and "Run
+tests" (its code against the user's assert-style tests, in the sandbox). The aggregate line sets the
+batch's tokens/s against one column alone, at the batch-1 ms/token the app last measured on this engine.
+A run is stored in the page's session as one generation batch of kind "side-by-side".
+"""
+from __future__ import annotations
+
+import ast
+import asyncio
+import html
+import itertools
+import re
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+import gradio as gr
+
+from laneplay.app import playground
+from laneplay.app.checks import SandboxMissing, check_code, sandbox_status
+from laneplay.app.client import EngineError, StreamEvent, StreamTimer
+from laneplay.app.context import AppContext, InputError, check_texts, owner_of, request_body, sampling
+from laneplay.app.meter import MeterData, render
+from laneplay.evals.problems import Problem, ProblemError, user_problem
+from laneplay.evals.prompting import extract_code, extract_completion
+from laneplay.storage import NotFound, ValidationError
+
+MAX_COLUMNS = 4
+COLUMN_CHOICES = ["2", "3", "4"]
+DEFAULT_COLUMNS = "3"
+# preset -> (temperature, top_p, top_k); a preset also gives the column back its own seed
+PRESETS = {"greedy": (0.0, 1.0, 0), "T=0.2": (0.2, 0.95, 0), "T=0.8": (0.8, 0.95, 50), "T=1.2": (1.2, 0.95, 50)}
+DEFAULT_PRESETS = ("greedy", "T=0.2", "T=0.8", "T=1.2")
+DEFAULT_SEEDS = (0, 1, 2, 3)
+DEFAULT_MAX_TOKENS = 128
+EXAMPLE_TESTS = ('assert is_palindrome("A man, a plan, a canal: Panama")\n'
+                 'assert not is_palindrome("abc")\n')
+PREVIEW_CHARS, PREVIEW_LINES = 600, 8
+TEST_TIMEOUT_S = 10.0
+_DEF = re.compile(r"^(?:async\s+)?def\s+([A-Za-z_]\w*)\s*\(", re.M)
+
+
+# ---- pure helpers ---------------------------------------------------------------------------------------
+
+def preset(name: str, column: int) -> dict:
+    """A preset's settings for one column: temperature, top_p, top_k, and the column's own seed."""
+    if name not in PRESETS:
+        raise InputError(f"Unknown preset {name!r}; choose one of {', '.join(PRESETS)}.")
+    temperature, top_p, top_k = PRESETS[name]
+    return {"temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": DEFAULT_SEEDS[column]}
+
+
+def column_count(value) -> int:
+    if str(value) not in COLUMN_CHOICES:
+        raise InputError(f"Choose 2, 3 or 4 columns (got {value!r}).")
+    return int(value)
+
+
+def settings(n: int, temps, top_ps, top_ks, seeds, max_tokens, stop_text) -> tuple[dict, list[dict]]:
+    """Checked settings: the shared ones (max_tokens, stop) and, per shown column, temperature, top_p,
+    top_k and seed (left out when empty: the engine then uses the column's index)."""
+    shared = sampling(0.0, 1.0, 0, max_tokens, None, stop_text)
+    columns = []
+    for i in range(n):
+        try:
+            p = sampling(temps[i], top_ps[i], top_ks[i], 1, seeds[i], None)
+        except InputError as e:
+            raise InputError(f"Column {i + 1}: {e}") from None
+        columns.append({k: p[k] for k in ("temperature", "top_p", "top_k", "seed") if k in p})
+    return {"max_tokens": shared["max_tokens"], "stop": shared["stop"]}, columns
+
+
+def batch_request(mode: str, code: str, instruction: str, shared: dict, columns: list[dict]) -> tuple[dict, bool]:
+    """ONE request for all columns: the `samples` extension, one entry per column, in column order."""
+    body, chat = request_body(mode, code, instruction, shared, None)
+    return {**body, "samples": [dict(c) for c in columns]}, chat
+
+
+def column_requests(mode: str, code: str, instruction: str, shared: dict,
+                    columns: list[dict]) -> list[tuple[dict, bool]]:
+    """For servers without `samples`: one ordinary request per column (top_k 0, "off", is left out)."""
+    return [request_body(mode, code, instruction, {**shared, **{k: x for k, x in c.items()
+                                                                if not (k == "top_k" and x == 0)}}, None)
+            for c in columns]
+
+
+def engine_requests(batched: bool, mode: str, code: str, instruction: str, shared: dict,
+                    columns: list[dict]) -> list[tuple[int | None, dict, bool]]:
+    """What Generate sends, as (column, body, chat?): the one batch request (column None), or without the
+    `samples` extension one request per column."""
+    if batched:
+        return [(None, *batch_request(mode, code, instruction, shared, columns))]
+    return [(i, body, chat) for i, (body, chat) in enumerate(column_requests(mode, code, instruction, shared, columns))]
+
+
+def entry_point_of(prompt: str, tests: str, answer: str, given: str | None = "") -> str | None:
+    """The function the tests call: the one named by the user, else the prompt's last `def`, else a
+    function the tests call that the answer defines, else the answer's first `def` (None: no idea)."""
+    if given and given.strip():
+        return given.strip()
+    if defs := _DEF.findall(prompt or ""):
+        return defs[-1]
+    answer_defs = _DEF.findall(re.sub(r"^[ \t]+(?=(?:async\s+)?def\s)", "", answer or "", flags=re.M))
+    try:
+        called = [n.func.id for n in ast.walk(ast.parse(tests or "")) if isinstance(n, ast.Call)
+                  and isinstance(n.func, ast.Name)]
+    except SyntaxError:
+        called = []
+    return next((name for name in called if name in answer_defs), answer_defs[0] if answer_defs else None)
+
+
+def column_code(mode: str, code: str, instruction: str, text: str, entry_point: str | None = None) -> str:
+    """What "Use this" puts in the editor: in complete mode the editor code + the completion as is; in chat
+    mode the code block of the answer (the one defining the entry point when it is known)."""
+    if mode == "complete":
+        return code + text
+    problem = Problem("user/0", code.strip() or instruction, entry_point or "", "")
+    return extract_code(problem, text).code.strip("\n") + "\n" if text.strip() else ""
+
+
+def problem_for(mode: str, code: str, instruction: str, text: str, tests: str,
+                 entry_point: str | None) -> tuple[Problem, str, list[str]]:
+    """The user's tests as a Problem, and the column's program to run against them (with extraction
+    warnings). Raises ProblemError for tests that cannot run."""
+    prompt = code if code.strip() else instruction
+    entry = entry_point_of(prompt, tests, text, entry_point)
+    if entry is None:
+        raise ProblemError("cannot tell which function the tests call: type its name in \"Entry point\"")
+    problem = user_problem(prompt, tests, entry_point=entry)
+    ex = extract_completion(problem, text) if mode == "complete" else extract_code(problem, text)
+    return problem, ex.code, ex.warnings
+
+
+def aggregate(tokens: list[int], decode_s: float | None, single_ms: float | None) -> dict:
+    """The batch's arithmetic. Decoded tokens are each column's tokens after its first (the first comes
+    from the shared prefill), as in every decode tokens/s here. Batch tokens/s = decoded tokens of all
+    columns / decode wall time; per column = that / columns. Alone: the same tokens one column after
+    another at the batch-1 ms/token `single_ms` (None: unknown, nothing is estimated)."""
+    n, decoded = len(tokens), sum(max(t - 1, 0) for t in tokens)
+    batch_tps = decoded / decode_s if decode_s and decoded else None
+    sequential_s = decoded * single_ms / 1000 if single_ms and decoded else None
+    return {"columns": n, "tokens": sum(tokens), "decoded": decoded, "decode_s": decode_s, "batch_tps": batch_tps,
+            "column_tps": batch_tps / n if batch_tps else None, "single_ms": single_ms,
+            "single_tps": 1000 / single_ms if single_ms else None, "sequential_s": sequential_s,
+            "speedup": sequential_s / decode_s if sequential_s and decode_s else None}
+
+
+def _f(x: float | None, fmt: str) -> str:
+    return "" if x is None else format(x, fmt)
+
+
+def aggregate_html(agg: dict | None, single_ms: float | None, state: str = "idle") -> str:
+    """The aggregate line `#sbs-aggregate`; its data-* attributes carry the numbers."""
+    agg = agg or aggregate([], None, single_ms)
+    attrs = {"data-state": state, "data-columns": str(agg["columns"] or ""), "data-tokens": str(agg["tokens"]),
+             "data-batch-tps": _f(agg["batch_tps"], ".2f"), "data-column-tps": _f(agg["column_tps"], ".2f"),
+             "data-decode-s": _f(agg["decode_s"], ".3f"), "data-single-ms-per-token": _f(agg["single_ms"], ".2f"),
+             "data-speedup": _f(agg["speedup"], ".2f")}
+    a = " ".join(f'{k}="{html.escape(x)}"' for k, x in attrs.items())
+    if agg["batch_tps"] is None:
+        head = ("<b>One batch for all columns.</b> Generate decodes the columns together; their tokens/s shows here."
+                if state == "idle" else f"<b>Batch of {agg['columns']}</b> · measuring…")
+    else:
+        head = (f"<b>Batch of {agg['columns']}: {agg['batch_tps']:.1f} tokens/s</b> over all columns · "
+                f"{agg['column_tps']:.1f} tokens/s per column · {agg['decoded']} tokens decoded in "
+                f"{agg['decode_s']:.2f} s")
+    if agg["single_ms"] is None:
+        alone = "One column alone: run one Playground generation for a batch-1 reference."
+    elif agg["speedup"] is None:
+        alone = (f"One column alone decodes at {agg['single_tps']:.1f} tokens/s ({agg['single_ms']:.1f} ms/token, "
+                 f"the last Playground generation on this engine).")
+    else:
+        alone = (f"One column alone: {agg['single_tps']:.1f} tokens/s ({agg['single_ms']:.1f} ms/token, the last "
+                 f"Playground generation); these tokens one column after another ≈ {agg['sequential_s']:.2f} s, "
+                 f"{agg['speedup']:.1f}× the batch's time.")
+    return (f'<div id="sbs-aggregate" class="lp-aggregate" {a}><span>{head}</span>'
+            f'<span class="lp-alone">{alone}</span></div>')
+
+
+def prompt_preview(code: str | None, instruction: str | None, mode: str | None) -> str:
+    """What Generate sends, shortened: the chat message, or the code to complete."""
+    body, chat = request_body(mode or "chat", code or "", instruction or "", {}, None)
+    text = body["messages"][0]["content"] if chat else body["prompt"]
+    lines = text.splitlines()
+    short = "\n".join(lines[:PREVIEW_LINES])[:PREVIEW_CHARS]
+    short += "\n…" if short != text.rstrip("\n") else ""
+    what = "Chat message" if chat else "Code to complete"
+    return (f'<div id="sbs-prompt" class="lp-sbs-prompt" data-mode="{"chat" if chat else "complete"}">'
+            f'<div class="lp-sbs-label">{what} · from the Playground tab (edit it there)</div>'
+            f'<pre>{html.escape(short) or "(empty: type an instruction or code in the Playground tab)"}</pre></div>')
+
+
+def sandbox_html(ok: bool, why: str) -> str:
+    if ok:
+        return ('<div id="sbs-sandbox" class="lp-muted" data-available="1">Tests run in the sandbox: no network, '
+                'read-only system, time and memory limits; one program per core.</div>')
+    return (f'<div id="sbs-sandbox" class="lp-error" data-available="0" role="alert">The sandbox is unavailable, so '
+            f'no generated code runs here: {html.escape(why)}</div>')
+
+
+def result_html(i: int, status: str = "", message: str = "", detail: str = "") -> str:
+    """`#sbs-result-<i>`: data-status is pass | fail | error | timeout | memory once tests ran; running,
+    invalid (bad tests or no code: nothing ran) or unavailable (no sandbox) otherwise; "" before."""
+    pre = f"<pre>{html.escape(detail)}</pre>" if detail else ""
+    label = f'<span class="lp-status">{html.escape(status)}</span> ' if status in (
+        "pass", "fail", "error", "timeout", "memory") else ""
+    return (f'<div id="sbs-result-{i}" class="lp-result" data-status="{html.escape(status)}">{label}'
+            f'{html.escape(message)}{pre}</div>')
+
+
+def share_html(gens: list[dict]) -> str:
+    """A stored side-by-side batch for the read-only share page: one column per generation with its
+    settings, its meter (compact), its text and its test status."""
+    cols = []
+    for g in gens:
+        i, b = g["sample_index"], g["batch"]
+        meter = render(MeterData(state="done", tokens=g["completion_tokens"] or 0, tps=g["decode_tokens_per_second"],
+                                 ttft_ms=g["ttft_ms"], ms_per_token=g["ms_per_token"], device=g["device"],
+                                 world_size=g["world_size"], note=f"finish: {g['finish_reason'] or '–'}"),
+                       elem_id=f"sbs-b{b}-meter-{i}", compact=True)
+        status = g.get("test_status")
+        test = (f"<div class='lp-result' data-status='{html.escape(status)}'><span class='lp-status'>"
+                f"{html.escape(status)}</span> tests"
+                + (f"<pre>{html.escape(g['test_error'])}</pre>" if g.get("test_error") else "") + "</div>"
+                if status else "<div class='lp-result lp-muted' data-status=''>not tested</div>")
+        cols.append(f"<div class='lp-sbs-share-col' data-column='{i}'><h4>Column {i + 1}</h4>"
+                    f"<p class='lp-muted'>{html.escape(describe(g))}</p>{meter}"
+                    f"<pre class='lp-code'>{html.escape(g['text'])}</pre>{test}</div>")
+    return (f"<section class='lp-gen lp-sbs-share' data-batch='{gens[0]['batch']}'><h3>Side by side · "
+            f"{len(gens)} columns in one batch</h3><div class='lp-sbs-grid' style='--cols:{len(gens)}'>"
+            f"{''.join(cols)}</div></section>")
+
+
+def describe(g: dict) -> str:
+    t = g.get("temperature")
+    head = "greedy" if t is not None and t < 1e-5 else f"T={t:g}" if t is not None else "T=–"
+    return (f"{head} · top-p {g.get('top_p') if g.get('top_p') is not None else '–'} · "
+            f"top-k {g.get('top_k') or 'off'} · seed {g.get('seed') if g.get('seed') is not None else '–'}")
+
+
+# ---- one run --------------------------------------------------------------------------------------------
+
+@dataclass
+class Column:
+    settings: dict
+    text: str = ""
+    meter: MeterData = field(default_factory=lambda: MeterData(state="queued"))
+    finish: str | None = None
+    server: dict | None = None  # the engine's per-choice timing, once sent
+    prompt_tokens: int = 0
+
+
+def _decode_s(timer: StreamTimer, timing: dict | None) -> float | None:
+    """Decode wall time of the batch: the server's (last token - first token), else the app's."""
+    if timing and timing.get("total_ms") is not None and timing.get("ttft_ms") is not None:
+        return max(timing["total_ms"] - timing["ttft_ms"], 0.0) / 1000 or None
+    timed = [c for c in timer.choices.values() if c.t_first is not None]
+    if not timed:
+        return None
+    return (max(c.t_last for c in timed) - min(c.t_first for c in timed)) or None
+
+
+def _apply_server(c: Column, t: dict, timing: dict | None) -> None:
+    m = c.meter
+    c.server = t
+    m.ttft_ms = t.get("ttft_ms", m.ttft_ms)
+    m.tps = t.get("decode_tokens_per_second", m.tps)
+    m.ms_per_token = t.get("ms_per_token", m.ms_per_token)
+    m.tokens = t.get("completion_tokens") or m.tokens
+    m.source = "server"
+    m.device = (timing or {}).get("device", m.device)
+    m.world_size = (timing or {}).get("world_size", m.world_size)
+
+
+def _record(i: int, c: Column) -> dict:
+    t = c.server or {}
+    return {"sample_index": i, "kind": "side-by-side", "temperature": c.settings["temperature"],
+            "top_p": c.settings["top_p"], "top_k": c.settings["top_k"], "seed": c.settings.get("seed"),
+            "text": c.text, "finish_reason": c.finish or "stop",
+            "completion_tokens": t.get("completion_tokens") or c.meter.tokens, "prompt_tokens": c.prompt_tokens,
+            "ttft_ms": c.meter.ttft_ms, "decode_tokens_per_second": c.meter.tps, "ms_per_token": c.meter.ms_per_token,
+            "device": c.meter.device or None, "world_size": c.meter.world_size or None}
+
+
+@dataclass
+class Batch:
+    """One run's columns as its streams fill them."""
+    columns: list[Column]
+    timer: StreamTimer = field(default_factory=StreamTimer)
+    timing: dict | None = None  # the batch request's own timing (laneplay engines), once sent
+    failure: str | None = None
+    cancelled: bool = False
+
+    def route(self, col: int | None, ev: StreamEvent) -> None:
+        """One stream event into its column(s). `col`: the column of a per-column request, None for the
+        batch request, whose deltas go by the choice's `index` and whose other events concern every column."""
+        n = len(self.columns)
+        targets = range(n) if col is None and ev.kind != "delta" else [ev.index if col is None else col]
+        for i in (i for i in targets if 0 <= i < n):
+            c, m = self.columns[i], self.columns[i].meter
+            if ev.kind == "queued":
+                m.state, m.note = "queued", f"position {ev.position} in the engine's queue"
+            elif ev.kind == "running" and m.state == "queued":
+                m.state, m.note = "running", "prefill"
+            elif ev.kind == "delta":
+                t = self.timer.on_delta(i, ev.text, (ev.timing or {}).get("finish_reason"))
+                c.text += ev.text
+                c.finish = t.finish_reason or c.finish
+                m.tokens, m.tps, m.ttft_ms, m.ms_per_token, m.latencies_ms = \
+                    t.tokens, t.decode_tps, t.ttft_ms, t.ms_per_token, t.latencies_ms
+                m.state, m.note = ("done", f"finish: {c.finish}") if c.finish else ("running", "")
+            elif ev.kind == "done":
+                c.prompt_tokens = (ev.usage or {}).get("prompt_tokens") or 0
+                mine = [t for t in (ev.timing or {}).get("per_choice") or []
+                        if t.get("index", 0) == (i if col is None else 0)]
+                if mine:
+                    _apply_server(c, mine[0], ev.timing)
+        if ev.kind == "done" and col is None:
+            self.timing = ev.timing
+        for c in self.columns:
+            c.meter.elapsed_ms = self.timer.elapsed_ms()
+
+    def finish(self) -> str | None:
+        """The columns' final state (done, stopped or error); returns the failure, if any."""
+        for c in self.columns:
+            c.meter.elapsed_ms = self.timer.elapsed_ms()
+            if self.failure is not None:
+                c.meter.state, c.meter.note = "error", ""
+                continue
+            c.meter.source = "server" if c.server is not None else "app"
+            c.meter.state = "done"
+            c.meter.note = "stopped" if self.cancelled and not c.finish else f"finish: {c.finish or 'stop'}"
+            c.finish = "cancelled" if self.cancelled and not c.finish else c.finish
+        return self.failure
+
+
+async def stream_batch(ctx: AppContext, requests: list[tuple[int | None, dict, bool]], b: Batch,
+                       wanted: Callable[[], bool]) -> AsyncIterator[None]:
+    """Streams `requests` ((column or None for the batch, body, chat?) each, all at once) into `b`; yields
+    when the page should show it (every signal; deltas at most ten times a second). Ends when every
+    stream has, at the first failure, or as soon as `wanted()` turns false (Stop, a newer Generate):
+    then the streams are closed, which the engine takes as a cancel."""
+    events: asyncio.Queue = asyncio.Queue()
+
+    def put_for(col):
+        async def put(item):
+            await events.put((col, item))
+        return put
+
+    readers = [asyncio.create_task(playground.stream_to(ctx, body, chat, put_for(col))) for col, body, chat in requests]
+    open_streams, last_push = len(readers), 0.0
+    try:
+        while open_streams:
+            try:
+                col, ev = await asyncio.wait_for(events.get(), 0.1)
+            except asyncio.TimeoutError:
+                col, ev = None, False
+            if not wanted():
+                b.cancelled = True
+                return
+            if ev is False:
+                continue
+            if ev is None:
+                open_streams -= 1
+                continue
+            if isinstance(ev, EngineError):
+                b.failure = ev.message if col is None else f"Column {col + 1}: {ev.message}"
+                if ev.kind == "unreachable" and not ctx.engine.ready:
+                    b.failure += f" The engine is {ctx.engine.state}: {ctx.engine.detail}."
+                return
+            b.route(col, ev)
+            now = time.monotonic()
+            if ev.kind != "delta" or now - last_push >= playground.UPDATE_EVERY_S:
+                last_push = now
+                yield
+    finally:
+        for r in readers:
+            r.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+
+
+# ---- the tab --------------------------------------------------------------------------------------------
+
+def _column_ui(i: int) -> dict:
+    s = preset(DEFAULT_PRESETS[i], i)
+    with gr.Column(visible=i < int(DEFAULT_COLUMNS), min_width=230, elem_classes=["lp-sbs-col"]) as box:
+        ui = {"box": box}
+        with gr.Row(elem_classes=["lp-sbs-knobs"]):
+            ui["preset"] = gr.Dropdown(list(PRESETS), value=DEFAULT_PRESETS[i], label=f"Column {i + 1}",
+                                       elem_id=f"sbs-preset-{i}", interactive=True, min_width=96, scale=2)
+            ui["temp"] = gr.Number(s["temperature"], label="Temp.", elem_id=f"sbs-temp-{i}", step=0.05,
+                                   min_width=50, interactive=True)
+            ui["top_p"] = gr.Number(s["top_p"], label="Top-p", elem_id=f"sbs-top-p-{i}", step=0.05, min_width=50,
+                                    interactive=True)
+            ui["top_k"] = gr.Number(s["top_k"], label="Top-k", elem_id=f"sbs-top-k-{i}", precision=0, min_width=50,
+                                    interactive=True)
+            ui["seed"] = gr.Number(s["seed"], label="Seed", elem_id=f"sbs-seed-{i}", precision=0, min_width=50,
+                                   interactive=True)
+        ui["meter"] = gr.HTML(render(MeterData(state="loading", note="starting"), f"sbs-meter-{i}", compact=True,
+                                     resting=True), elem_id=f"sbs-meter-box-{i}")
+        ui["out"] = gr.Code(value="", language="python", label=f"Column {i + 1}", elem_id=f"sbs-col-{i}",
+                            interactive=False, lines=10, max_lines=30, wrap_lines=True)
+        with gr.Row():
+            ui["use"] = gr.Button("Use this", elem_id=f"sbs-use-{i}", size="sm", min_width=80)
+            ui["test"] = gr.Button("Run tests", elem_id=f"sbs-test-{i}", size="sm", min_width=80)
+        ui["result"] = gr.HTML(result_html(i), elem_id=f"sbs-result-box-{i}")
+    return ui
+
+
+def build(ctx: AppContext, session_id: gr.State, pg: dict, tabs: gr.Tabs) -> dict:
+    """The tab's components and events. `pg`: the Playground's components (its editor, instruction and mode
+    are this tab's prompt; "Use this" writes the editor). Returns what web.py wires to the tab's select."""
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=3):
+            preview = gr.HTML(prompt_preview(playground.EXAMPLE_CODE, playground.EXAMPLE_INSTRUCTION, "chat"),
+                              elem_id="sbs-prompt-box")
+        with gr.Column(scale=2, min_width=320):
+            with gr.Row():
+                ncols = gr.Radio(COLUMN_CHOICES, value=DEFAULT_COLUMNS, label="Columns", elem_id="sbs-columns",
+                                 interactive=True, min_width=190)
+                max_tokens = gr.Number(DEFAULT_MAX_TOKENS, label="Max tokens", precision=0, elem_id="sbs-max-tokens",
+                                       min_width=90, interactive=True)
+                stops = gr.Textbox("", label="Stop strings", lines=1, max_lines=4,
+                                   elem_id="sbs-stop-strings", min_width=120, interactive=True)
+            with gr.Row():
+                generate = gr.Button("Generate", variant="primary", elem_id="sbs-generate", min_width=90)
+                stop = gr.Button("Stop", variant="stop", elem_id="sbs-stop", min_width=70)
+    error = gr.HTML(playground.error_html("", "sbs-error"), elem_id="sbs-error-box")
+    agg = gr.HTML(aggregate_html(None, ctx.single_ms_per_token), elem_id="sbs-aggregate-box")
+    with gr.Row(equal_height=False, elem_id="sbs-grid"):
+        cols = [_column_ui(i) for i in range(MAX_COLUMNS)]
+    with gr.Accordion("Tests (for \"Run tests\")", open=True):
+        with gr.Row(equal_height=False):
+            tests = gr.Code(value=EXAMPLE_TESTS, language="python", label="Assert-style tests", elem_id="sbs-tests",
+                            interactive=True, lines=4, max_lines=14, scale=3)
+            with gr.Column(scale=1, min_width=200):
+                entry = gr.Textbox("", label="Entry point (optional)", placeholder="inferred from the code or tests",
+                                   elem_id="sbs-entry-point", interactive=True)
+                sandbox = gr.HTML('<div id="sbs-sandbox" class="lp-muted"></div>', elem_id="sbs-sandbox-box")
+    run_state = gr.State({})  # the last run of this page: its prompt, mode, session and batch
+    current: dict = {}  # page (Gradio session) -> id of the one run that may go on there
+    run_ids = itertools.count(1)
+
+    def shown(n):
+        return [gr.update(visible=i < int(n)) for i in range(MAX_COLUMNS)]
+
+    ncols.change(shown, [ncols], [c["box"] for c in cols], show_progress="hidden")
+    for i, c in enumerate(cols):
+        c["preset"].input(lambda name, i=i: tuple(preset(name, i).values()), [c["preset"]],
+                          [c["temp"], c["top_p"], c["top_k"], c["seed"]], show_progress="hidden")
+
+    def frame(columns, n, problem="", agg_html=None, sid=None, run=None, fresh=False):
+        """One page update: every column's text and meter, the error line, the aggregate, the state."""
+        texts = [columns[i].text if i < n else gr.update() for i in range(MAX_COLUMNS)]
+        meters = [render(columns[i].meter, f"sbs-meter-{i}", compact=True) if i < n else gr.update()
+                  for i in range(MAX_COLUMNS)]
+        results = [result_html(i) if fresh else gr.update() for i in range(MAX_COLUMNS)]
+        return (*texts, *meters, playground.error_html(problem, "sbs-error"),
+                agg_html if agg_html is not None else gr.update(), sid, run if run is not None else gr.update(),
+                *results)
+
+    async def run(request: gr.Request, code_text, instruction_text, mode_value, n_value, mt, stop_text, *rest):
+        temps, top_ps, top_ks, seeds, sid = rest[0:4], rest[4:8], rest[8:12], rest[12:16], rest[16]
+        owner = owner_of(request)
+        try:
+            n = column_count(n_value)
+            code_text, instruction_text = check_texts(code_text, instruction_text, mode_value)
+            shared, col_settings = settings(n, temps, top_ps, top_ks, seeds, mt, stop_text)
+            if owner is None:
+                raise InputError("This browser has no session cookie; reload the page.")
+        except InputError as e:  # a message; nothing sent, nothing stored
+            n = column_count(n_value) if str(n_value) in COLUMN_CHOICES else MAX_COLUMNS
+            bad = [Column({}, meter=MeterData(state="error", note="invalid input")) for _ in range(n)]
+            yield frame(bad, n, str(e), sid=sid)
+            return
+        page = playground._page_key(request)
+        me = next(run_ids)
+        current[page] = me  # an earlier run of this page sees it is superseded and ends
+        columns = [Column(s) for s in col_settings]
+        runs = {"mode": mode_value, "code": code_text, "instruction": instruction_text, "n": n, "sid": sid,
+                "batch": None}
+        waited = time.monotonic()
+        while not ctx.engine.ready:  # a loading or restarting engine: wait for it, saying so
+            if current.get(page) != me or time.monotonic() - waited > playground.ENGINE_WAIT_S:
+                stopped = current.get(page) != me
+                for c in columns:
+                    c.meter = MeterData(state="done", note="stopped") if stopped else MeterData(state="error")
+                late = "" if stopped else f"The engine is not ready ({ctx.engine.state}: {ctx.engine.detail})."
+                yield frame(columns, n, late, sid=sid, run=runs)
+                return
+            for c in columns:
+                c.meter = MeterData(state="loading", note=f"{ctx.engine.state}: {ctx.engine.detail}")
+            yield frame(columns, n, sid=sid, run=runs, fresh=True)
+            await asyncio.sleep(0.5)
+        info = ctx.engine.info or {}
+        batched = info.get("laneplay", True) is not False
+        source = "server" if batched else "app"
+        for c in columns:
+            c.meter = MeterData(state="queued", device=info.get("device"), world_size=info.get("world_size"),
+                                source=source)
+        yield frame(columns, n, agg_html=aggregate_html(None, ctx.single_ms_per_token, "running"), sid=sid,
+                    run=runs, fresh=True)
+        requests = engine_requests(batched, mode_value, code_text, instruction_text, shared, col_settings)
+        b = Batch(columns)
+        try:
+            async with aclosing(stream_batch(ctx, requests, b, lambda: current.get(page) == me)) as updates:
+                async for _ in updates:
+                    live = aggregate([c.meter.tokens for c in columns], _decode_s(b.timer, None),
+                                     ctx.single_ms_per_token)
+                    yield frame(columns, n, agg_html=aggregate_html(live, ctx.single_ms_per_token, "running"), sid=sid)
+        finally:
+            if current.get(page) == me:
+                del current[page]
+        failure = b.finish()
+        final = aggregate([c.meter.tokens for c in columns], _decode_s(b.timer, b.timing), ctx.single_ms_per_token)
+        agg_done = aggregate_html(final, ctx.single_ms_per_token, "error" if failure else "done")
+        if failure is not None:
+            yield frame(columns, n, failure, agg_done, sid, runs)
+            return
+        superseded = b.cancelled and page in current
+        problem = ""
+        if any(c.text for c in columns):
+            try:
+                sid, runs["batch"] = playground.save_batch(ctx, sid, owner, code_text, instruction_text, info,
+                                                           [_record(i, c) for i, c in enumerate(columns)], columns=n)
+                runs["sid"] = sid
+            except ValidationError as e:
+                problem = f"The run was not stored: {e}"
+        if not superseded:  # a newer Generate of this page owns the page now
+            yield frame(columns, n, problem, agg_done, sid, runs)
+
+    generate.click(run, [pg["code"], pg["instruction"], pg["mode"], ncols, max_tokens, stops,
+                         *[c["temp"] for c in cols], *[c["top_p"] for c in cols], *[c["top_k"] for c in cols],
+                         *[c["seed"] for c in cols], session_id],
+                   [*[c["out"] for c in cols], *[c["meter"] for c in cols], error, agg, session_id, run_state,
+                    *[c["result"] for c in cols]],
+                   concurrency_limit=None, api_name="side_by_side", show_progress="hidden", trigger_mode="multiple")
+
+    def stop_now(request: gr.Request):
+        current.pop(playground._page_key(request), None)
+
+    stop.click(stop_now, None, None, api_name="side_by_side_stop", show_progress="hidden", queue=False)
+
+    def use_for(i: int):
+        def use(text, runs, tests_text, entry_text):
+            """The column's code into the Playground editor, and the Playground in front."""
+            runs = runs or {}
+            code = column_code(runs.get("mode", "chat"), runs.get("code", ""), runs.get("instruction", ""), text or "",
+                               entry_point_of(runs.get("code", ""), tests_text, text or "", entry_text))
+            if not code.strip():
+                return gr.update(), gr.update(), playground.error_html(f"Column {i + 1} has no code to use yet.",
+                                                                       "sbs-error")
+            return code, gr.Tabs(selected="playground"), playground.error_html("", "sbs-error")
+        return use
+
+    def test_for(i: int):
+        async def run_tests(request: gr.Request, text, runs, tests_text, entry_text):
+            """The column's code against the tests, in the sandbox; the outcome is stored with the generation."""
+            runs = runs or {}
+            if not (text or "").strip() or i >= runs.get("n", 0):
+                yield result_html(i, "invalid", f"Generate first: column {i + 1} has no output to test.")
+                return
+            try:
+                problem, code, warnings = problem_for(runs["mode"], runs["code"], runs["instruction"], text,
+                                                       tests_text or "", entry_text)
+            except ProblemError as e:
+                yield result_html(i, "invalid", f"The tests cannot run: {e}. Nothing ran.")
+                return
+            if not code.strip():
+                yield result_html(i, "invalid", f"No code found in column {i + 1}; nothing ran.")
+                return
+            yield result_html(i, "running", f"Running {problem.entry_point}() against the tests in the sandbox…")
+            try:
+                out = await check_code(problem, code, timeout_s=TEST_TIMEOUT_S)
+            except SandboxMissing as e:
+                yield result_html(i, "unavailable", str(e))
+                return
+            note = f" · {out.seconds:.2f} s" + (f" · {'; '.join(warnings)}" if warnings else "")
+            sid, batch = runs.get("sid"), runs.get("batch")
+            if sid and batch and ctx.store.owns(sid, owner_of(request)):
+                try:
+                    ctx.store.set_generation_test(sid, batch, i, out.status, out.error or None)
+                except (NotFound, ValidationError) as e:
+                    note += f" · not stored: {e}"
+            yield result_html(i, out.status, f"{problem.entry_point}(){note}", out.error)
+        return run_tests
+
+    for i, c in enumerate(cols):
+        c["use"].click(use_for(i), [c["out"], run_state, tests, entry], [pg["code"], tabs, error],
+                       show_progress="hidden")
+        c["test"].click(test_for(i), [c["out"], run_state, tests, entry], [c["result"]], concurrency_limit=None,
+                        show_progress="hidden")
+
+    async def refresh(code_text, instruction_text, mode_value):
+        """On selecting the tab: the prompt as it is now, and whether the sandbox works here."""
+        ok, why = await asyncio.to_thread(sandbox_status)
+        return prompt_preview(code_text, instruction_text, mode_value), sandbox_html(ok, why)
+
+    return {"refresh": refresh, "refresh_inputs": [pg["code"], pg["instruction"], pg["mode"]],
+            "refresh_outputs": [preview, sandbox], "columns": ncols, "run": run_state}

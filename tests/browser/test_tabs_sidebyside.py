@@ -1,0 +1,119 @@
+"""The Side by side tab in a real browser against a real `laneplay serve`: three columns with their own
+settings stream at once from one batched request, then "Run tests", "Use this" and the share page."""
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+from laneplay.app.sidebyside import column_code
+
+from .conftest import screenshot
+from .test_playground import meter, set_field, wait_state
+
+pytestmark = pytest.mark.slow
+CODE = "def add(a, b):\n"
+INSTRUCTION = "Write a Python function add(a, b) that returns the sum of a and b."
+TESTS = "assert add(1, 2) == 3\nassert add(-1, 1) == 0\n"
+COLUMNS = 3
+OUTCOMES = ("pass", "fail", "error", "timeout", "memory")
+
+
+def editor_text(page, elem: str) -> str:
+    return page.eval_on_selector(f"{elem} .cm-content", "el => el.cmTile ? el.cmTile.view.state.doc.toString() "
+                                                         ": el.innerText")
+
+
+def meters(page) -> list[dict]:
+    return [meter(page, f"#sbs-meter-{i}") for i in range(COLUMNS)]
+
+
+def choose_preset(page, column: int, name: str) -> None:
+    box = page.locator(f"#sbs-preset-{column} input")
+    box.click()
+    page.locator(f"#{box.get_attribute('aria-controls')} [role=option][aria-label='{name}']").click()
+    page.wait_for_function(f"() => document.querySelector('#sbs-temp-{column} input').value === "
+                           f"'{name.removeprefix('T=')}'")
+
+
+def show_columns(page) -> None:
+    page.evaluate("document.querySelector('#sbs-aggregate').scrollIntoView({block: 'start'})")
+
+
+def result(page, column: int) -> str:
+    page.wait_for_function(f"() => {list(OUTCOMES) + ['invalid', 'unavailable']}.includes("
+                           f"document.querySelector('#sbs-result-{column}')?.dataset.status)", timeout=60_000)
+    return page.get_attribute(f"#sbs-result-{column}", "data-status")
+
+
+def test_three_columns_stream_as_one_batch_then_test_use_and_share(server, new_context):
+    ctx, rec = new_context()
+    page = ctx.new_page()
+    page.goto(server.url + "/")
+    page.wait_for_selector("#meter")
+    server.wait_ready()
+    page.locator("#code .cm-content").fill(CODE)
+    page.locator("#instruction textarea").fill(INSTRUCTION)
+    page.get_by_role("tab", name="Side by side").click()
+    page.wait_for_function("() => (document.querySelector('#sbs-prompt')?.innerText || '').includes('add(a, b)')")
+    page.locator("#sbs-columns label").filter(has_text=re.compile(r"^\s*3\s*$")).click()
+    assert page.locator("#sbs-col-3").is_hidden() and page.locator("#sbs-col-2").is_visible()
+    choose_preset(page, 1, "T=0.8")  # column 0 stays greedy (its default)
+    choose_preset(page, 2, "T=1.2")
+    set_field(page, "sbs-seed-1", "1")
+    set_field(page, "sbs-seed-2", "2")
+    set_field(page, "sbs-max-tokens", "48")
+    wait_state(page, ["idle"], timeout=30, elem="#sbs-meter-0")
+
+    page.click("#sbs-generate")
+    show_columns(page)
+    started, together, shot = time.monotonic(), None, False
+    while time.monotonic() - started < 120 and not shot:  # all three decode at once, each with a live rate
+        ms = meters(page)
+        running = all(m["state"] == "running" and m["tokens"] > 0 for m in ms)
+        together = together or (ms if running else None)
+        if together and (not running or min(m["tokens"] for m in ms) >= 12):  # a screenshot with some text
+            screenshot(page, "side-by-side-running")
+            shot = True
+        assert together or not any(m["state"] in ("done", "error") for m in ms), f"never all running at once: {ms}"
+        time.sleep(0.03)
+    assert together is not None, page.inner_text("#sbs-error")
+    done = [wait_state(page, ["done", "error"], elem=f"#sbs-meter-{i}") for i in range(COLUMNS)]
+    assert all(m["state"] == "done" and m["tokens"] >= 1 and m["ttft"] > 0 for m in done), \
+        (done, page.inner_text("#sbs-error"))
+    page.wait_for_function("() => document.querySelector('#sbs-aggregate').dataset.state === 'done'")
+    assert page.get_attribute("#sbs-aggregate", "data-columns") == "3"
+    assert float(page.get_attribute("#sbs-aggregate", "data-batch-tps")) > 0
+    texts = [editor_text(page, f"#sbs-col-{i}") for i in range(COLUMNS)]
+    assert all(t.strip() for t in texts) and len(set(texts)) == COLUMNS, texts
+
+    # Run tests: bad tests are a message and nothing runs; good ones give an outcome from the sandbox.
+    page.locator("#sbs-tests .cm-content").fill("x = 1\n")
+    page.click("#sbs-test-1")
+    assert result(page, 1) == "invalid" and "no assert" in page.inner_text("#sbs-result-1")
+    page.locator("#sbs-tests .cm-content").fill(TESTS)
+    page.click("#sbs-test-0")
+    assert result(page, 0) in OUTCOMES, page.inner_text("#sbs-result-0")
+    show_columns(page)
+    screenshot(page, "side-by-side-done")
+
+    # Use this: the column's code block goes into the Playground's editor.
+    page.click("#sbs-use-0")
+    page.wait_for_selector("#generate", state="visible")
+    expected = column_code("chat", CODE, INSTRUCTION, texts[0], "add")
+    assert expected.strip()
+    page.wait_for_function("want => { const el = document.querySelector('#code .cm-content'); const t = el.cmTile ? "
+                           "el.cmTile.view.state.doc.toString() : el.innerText; return t.trim() === want; }",
+                           arg=expected.strip(), timeout=10_000)
+
+    # The share page shows the batch read-only as columns, each with its settings, meter and test status.
+    page.click("#share")
+    page.wait_for_selector("#share-link")
+    viewer = ctx.new_page()
+    assert viewer.goto(page.get_attribute("#share-link", "href")).status == 200
+    assert viewer.locator(".lp-sbs-share-col").count() == COLUMNS
+    assert viewer.locator(".lp-sbs-share .lp-meter[data-state=done]").count() == COLUMNS
+    assert "greedy" in viewer.inner_text(".lp-sbs-share-col[data-column='0']")
+    assert viewer.get_attribute(".lp-sbs-share-col[data-column='0'] .lp-result", "data-status") in OUTCOMES
+    assert rec.hosts == {"127.0.0.1"}, rec.hosts
