@@ -25,12 +25,13 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: run test venv sysdeps clean bench lock help _install_uv _install_pip
+.PHONY: run test venv sysdeps clean bench bench-peers lock help _install_uv _install_pip
 
 help:
 	@echo "make run   - serve Laneplay with the embedded default model"
 	@echo "make test  - run the whole test suite"
 	@echo "make bench - run the benchmarks (tables + JSON in bench/results/)"
+	@echo "make bench-peers - build the optional llama.cpp peer for make bench (a few minutes)"
 	@echo "make lock  - re-resolve requirements.txt from pyproject.toml (newest versions allowed)"
 
 venv: $(STAMP)
@@ -94,6 +95,18 @@ test: venv sysdeps
 
 bench: venv
 	$(VENV)/bin/laneplay bench
+
+# The llama.cpp peer of `laneplay bench` (optional, a few minutes of compiling): llama-cpp-python built
+# from its source package. Where the CPU has AVX-512: explicit AVX-512/VNNI/BF16 flags with AMX off (a
+# -march=native build pulls in AMX, whose repack path crashes on the default model, and is slower here).
+LLAMA_CPP_VERSION := 0.3.36
+HAVE_AVX512 := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo 1)
+LLAMA_CMAKE := $(if $(HAVE_AVX512),-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+  -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \
+  -DGGML_AVX512_BF16=ON,-DGGML_NATIVE=ON) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+bench-peers: venv
+	CMAKE_ARGS="$(LLAMA_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(UV_ENV) $(UV) pip install --no-deps \
+	  --no-binary llama-cpp-python "llama-cpp-python==$(LLAMA_CPP_VERSION)" diskcache
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,8 +1,9 @@
 """The web app: a Gradio Blocks UI mounted in FastAPI, next to the share pages and a status endpoint.
 
-Routes: `/` the UI (tabs Playground and History), `/s/<token>` a read-only share page and
-`/s/<token>/fork` (POST) to copy it into the viewer's own session, `/api/status` the engine's state as
-JSON, `/static/lp/...` our CSS and JS. Every response carries the browser's owner cookie (random,
+Routes: `/` the UI (tabs Playground, Side by side, pass@N, DTP and History), `/s/<token>` a read-only
+share page and `/s/<token>/fork` (POST) to copy it into the viewer's own session, `/api/status` the
+engine's state as JSON, `/api/runs/<id>/sample` one checked sample of this browser's pass@N run (and
+`/s/<token>/runs/<n>/sample` of a shared one), `/static/lp/...` our CSS and JS. Every response carries the browser's owner cookie (random,
 HttpOnly, SameSite=Lax), which is what History and ownership checks go by.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse  # noqa: E402
 from fastapi.staticfiles import StaticFiles  # noqa: E402
 
-from laneplay.app import history, passn, passn_view, playground, sidebyside  # noqa: E402
+from laneplay.app import dtpview, history, passn, passn_view, playground, sidebyside  # noqa: E402
 from laneplay.app.context import OWNER_COOKIE, AppContext, new_owner_id, owner_of  # noqa: E402
 from laneplay.app.meter import MeterData, render  # noqa: E402
 from laneplay.storage import share  # noqa: E402
@@ -50,11 +51,14 @@ def build_ui(ctx: AppContext) -> gr.Blocks:
                 sbs = sidebyside.build(ctx, session_id, pg, tabs)
             with gr.Tab("pass@N", id="passn", elem_id="tab-passn") as passn_tab:
                 pn = passn.build(ctx, session_id, pg)
+            with gr.Tab("DTP", id="dtp", elem_id="tab-dtp") as dtp_tab:
+                dv = dtpview.build(ctx, pg)
             with gr.Tab("History", id="history", elem_id="tab-history") as history_tab:
                 hist = history.build(ctx, session_id, pg, tabs, pn)
         history_tab.select(hist["refresh"], None, hist["outputs"], show_progress="hidden")
         passn_tab.select(pn["refresh_runs"], None, [pn["runs"]], show_progress="hidden")
         sbs_tab.select(sbs["refresh"], sbs["refresh_inputs"], sbs["refresh_outputs"], show_progress="hidden")
+        dtp_tab.select(dv["refresh"], None, dv["refresh_outputs"], show_progress="hidden")
 
         def on_load(request: gr.Request):
             """A fork lands on /?session=<id>: open it when this browser owns it."""

@@ -1,28 +1,52 @@
-"""`laneplay bench`: run the benchmarks (each prints a table and writes JSON to bench/results/)."""
+"""`laneplay bench`: run the benchmarks (each prints a table and writes JSON to bench/results/).
+
+`--quick` is a smoke run that finishes in a few minutes on two cores: eager engines, one round, short
+generations, one long prompt; its numbers show the machinery works, not the speed (run the full
+benchmark on a quiet machine for that).
+"""
 from __future__ import annotations
 
 import argparse
 import importlib
 
 BENCHMARKS = {
-    "decode": "laneplay.bench.decode",  # batch-1 decode vs transformers, bandwidth, batched samples
+    "decode": "laneplay.bench.decode",  # batch-1 decode vs transformers and llama.cpp, bandwidth, batched samples
     "dtp": "laneplay.bench.dtp",  # delayed collectives vs wait-now
     "prefill": "laneplay.bench.prefill",  # long prompts: TTFT and prompt tokens/s vs transformers
 }
+QUICK = {"decode": ["--rounds", "1", "--new-tokens", "16", "--ours", "eager", "--half", "", "--samples", "2,4",
+                    "--prompts", "short,512"],
+         "dtp": ["--rounds", "1", "--tokens", "8", "--width", "128"],
+         "prefill": ["--rounds", "1", "--lengths", "512"]}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("which", nargs="?", default="all", choices=["all", *BENCHMARKS],
                    help="which benchmark (default: all); `python -m laneplay.bench.<name> --help` lists its options")
-    p.add_argument("--quick", action="store_true", help="fewer rounds and tokens (a smoke run)")
+    p.add_argument("--quick", action="store_true", help="a smoke run: fewer rounds and tokens, eager engines")
+    p.add_argument("--peers", default=None, help="decode: peers beside ours (default transformers,llama.cpp; a peer "
+                   "that is not installed is skipped with a message)")
+    p.add_argument("--allow-noisy", action="store_true",
+                   help="report even when other processes use the cores (the numbers are flagged noisy)")
+    p.add_argument("--out", default=None, help="folder for the JSON files (default: bench/results)")
 
 
 def run(args) -> int:
     names = list(BENCHMARKS) if args.which == "all" else [args.which]
-    quick = {"decode": ["--rounds", "2", "--new-tokens", "32"], "dtp": ["--rounds", "1", "--tokens", "16"],
-             "prefill": ["--rounds", "1", "--lengths", "512,2048"]}
     status = 0
     for name in names:
-        print(f"== {name} ==")
-        status |= importlib.import_module(BENCHMARKS[name]).main(quick[name] if args.quick else [])
+        argv = list(QUICK[name]) if args.quick else []
+        if args.allow_noisy:
+            argv.append("--allow-noisy")
+        if args.out:
+            argv += ["--out", args.out]
+        if args.peers is not None and name == "decode":
+            argv += ["--peers", args.peers]
+        print(f"== {name} ==", flush=True)
+        try:
+            status |= importlib.import_module(BENCHMARKS[name]).main(argv) or 0
+        except SystemExit as e:  # a benchmark that refused (busy machine) or failed its arguments
+            status |= e.code if isinstance(e.code, int) else 1
+            if e.code == 3:
+                return status  # the machine is busy for the next ones too
     return status

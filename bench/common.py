@@ -4,7 +4,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import resource
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -44,6 +46,50 @@ def load_average() -> float:
         return float("nan")
 
 
+QUIET_MAX_OTHER_CORES = 0.25  # busy cores of other processes above which 2-thread numbers are not trusted
+
+
+def _busy_jiffies() -> int:
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    return sum(v) - v[3] - v[4]  # everything but idle and iowait
+
+
+def _own_cpu_s() -> float:
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def other_busy_cores(seconds: float = 1.5) -> float | None:
+    """How many cores other processes kept busy over `seconds` (this process and its children excluded);
+    None where /proc/stat is unavailable."""
+    try:
+        b0, m0, t0 = _busy_jiffies(), _own_cpu_s(), time.monotonic()
+        time.sleep(seconds)
+        b1, m1, t1 = _busy_jiffies(), _own_cpu_s(), time.monotonic()
+    except OSError:
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    return max(0.0, ((b1 - b0) / hz - (m1 - m0)) / (t1 - t0))
+
+
+def check_quiet(allow_noisy: bool, when: str = "before") -> dict:
+    """Refuses (exit status 3) when other processes use the cores — 2-thread decoding collapses under
+    contention — unless `allow_noisy`, in which case the numbers are flagged loudly, here and in the JSON."""
+    other = other_busy_cores()
+    quiet = other is None or other <= QUIET_MAX_OTHER_CORES
+    record = {"when": when, "other_busy_cores": other, "quiet": quiet, "load_average_1m": load_average()}
+    if not quiet:
+        msg = (f"the machine is not quiet {when} the run: other processes keep {other:.2f} cores busy "
+               f"(limit {QUIET_MAX_OTHER_CORES})")
+        if not allow_noisy:
+            print(f"laneplay bench: REFUSING to report: {msg}. Stop them and run again, or pass --allow-noisy to get "
+                  "numbers flagged as noisy.", file=sys.stderr)
+            raise SystemExit(3)
+        print(f"WARNING: {msg}; every number below is NOISY and flagged so in the JSON.", file=sys.stderr)
+    return record
+
+
 def machine() -> dict:
     return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "load_average_1m": load_average(),
@@ -61,9 +107,11 @@ def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
             print("  ".join("-" * w for w in widths))
 
 
-def write_json(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def write_json(name: str, payload: dict, out: str | Path | None = None) -> Path:
+    """Writes `<out or bench/results>/<name>.json` with the time and the machine."""
+    folder = Path(out) if out else RESULTS
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
     payload = {"when": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(), **payload}
     path.write_text(json.dumps(payload, indent=2, default=str))
     return path

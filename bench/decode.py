@@ -1,12 +1,17 @@
 """Batch-1 decode speed of the embedded default model: ours vs Hugging Face transformers, same weights.
 
-    python -m laneplay.bench.decode [--rounds 5] [--new-tokens 128] [--no-hf]
+    python -m laneplay.bench.decode [--rounds 5] [--new-tokens 128] [--prompts short,512]
+                                    [--peers transformers,llama.cpp] [--samples 2,4,8,16]
 
-Both engines get identical prompt ids (the chat template applied to one question), decode greedily to
-exactly `--new-tokens` tokens in float32, and are timed where tokens are produced: TTFT, and decode
-tokens/s = (tokens - 1) / (t_last - t_first). Runs alternate ours / theirs so drift hits both; the
-ratio is the result. Bandwidth is measured in the same run; achieved GB/s = bytes read per token x
-tokens/s. Also reports n = 4 and 16 batched-sample throughput. Writes bench/results/decode-cpu.json.
+Every engine gets identical prompt ids (the chat template applied to one question, bare or after
+reference code to make it 512 tokens), decodes greedily to exactly `--new-tokens` tokens, and is timed
+where tokens are produced: TTFT, and decode tokens/s = (tokens - 1) / (t_last - t_first). Peers: Hugging
+Face transformers on the same weights dequantized to float32, and llama.cpp (llama-cpp-python) on the
+same GGUF file, Q4_1 as shipped (skipped with a message when not installed). Runs alternate engines so
+drift hits all alike; ratios are the result. Bandwidth is measured in the same run; achieved GB/s =
+bytes read per token (each engine's own: float32, half or the GGUF's) x tokens/s, and the share of the
+read roofline. Also batch 1 vs n samples in one batch (the cost of pass@N per sample). Refuses to
+report on a busy machine unless --allow-noisy. Writes bench/results/decode-cpu.json.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import time
 
 import torch
 
-from laneplay.bench.common import load_average, measure_bandwidth, median, print_table, write_json
+from laneplay.bench.common import check_quiet, measure_bandwidth, median, print_table, write_json
 
 QUESTION = "Write a Python function that checks whether a number is prime."
 
@@ -89,28 +94,111 @@ def matvec_only_tps(eng, reps: int = 5) -> float:
     return 1 / median(times)
 
 
+def long_prompt_ids(tokenizer, length: int) -> list[int]:
+    """A chat prompt of exactly `length` tokens: reference code (this package's own source, a fixed text)
+    followed by QUESTION, the code cut by binary search on its length in characters."""
+    import inspect
+
+    from laneplay.evals import prompting
+
+    code = inspect.getsource(prompting) * 4
+
+    def ids_for(chars: int) -> list[int]:
+        content = "Here is some reference code:\n```python\n" + code[:chars] + "\n```\n\n" + QUESTION
+        return tokenizer.encode_chat([{"role": "user", "content": content}])
+
+    lo, hi = 0, len(code)
+    while lo < hi:  # the largest cut whose prompt is at most `length` tokens
+        mid = (lo + hi + 1) // 2
+        if len(ids_for(mid)) <= length:
+            lo = mid
+        else:
+            hi = mid - 1
+    ids = ids_for(lo)
+    if len(ids) != length:  # a token boundary skipped `length`: pad the user text by single spaces
+        for pad in range(1, 64):
+            ids = tokenizer.encode_chat([{"role": "user", "content": "Here is some reference code:\n```python\n"
+                                          + code[:lo] + " " * pad + "\n```\n\n" + QUESTION}])
+            if len(ids) == length:
+                break
+    return ids
+
+
+def llamacpp_model():
+    """llama.cpp (llama-cpp-python) on the same GGUF file, or (None, why not)."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None, ("llama.cpp peer skipped: llama-cpp-python is not installed (build it from its source package "
+                      "as README's \"How we measure speed\" describes)")
+    from laneplay.engine.checkpoint import resolve_checkpoint
+
+    path = resolve_checkpoint("smollm2-135m-instruct")
+    threads = torch.get_num_threads()
+    llm = llama_cpp.Llama(model_path=str(path), n_ctx=2048, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                          flash_attn=True, seed=0, verbose=False)
+    return llm, f"llama.cpp {getattr(llama_cpp, '__version__', '?')}, {path.name}, flash-attn on, {threads} threads"
+
+
+def llamacpp_run(llm, ids, new_tokens):
+    """Greedy, exactly `new_tokens` tokens (EOS does not stop it), timed where tokens come out."""
+    llm.reset()
+    times = []
+    t0 = time.perf_counter()
+    for _ in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        times.append(time.perf_counter())
+        if len(times) >= new_tokens:
+            break
+    return {"ttft_ms": (times[0] - t0) * 1000, "decode_tps": (len(times) - 1) / (times[-1] - times[0]),
+            "tokens": len(times)}
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in (text or "").split(",") if x.strip()]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--no-hf", action="store_true", help="skip the transformers peer")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--prompts", default="short,512", help="prompt lengths: 'short' (the bare question) and/or "
+                   "a number of tokens (reference code + the question)")
+    p.add_argument("--peers", default="transformers,llama.cpp",
+                   help="peers to run beside ours: transformers, llama.cpp ('' for none); a peer that is not "
+                        "installed is skipped with a message")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers peer (same as leaving it out of --peers)")
+    p.add_argument("--ours", default="compiled,eager", help="our float32 engine: compiled and/or eager")
     p.add_argument("--half", default="bfloat16,float16",
-                   help="extra dtypes to run our compiled engine in ('' for none); the peer stays float32")
+                   help="extra dtypes to run our compiled engine in ('' for none); the peers stay as they are")
+    p.add_argument("--samples", default="2,4,8,16", help="batched samples n to time against batch 1 ('' for none)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--allow-noisy", action="store_true", help="report on a busy machine (numbers flagged noisy)")
+    p.add_argument("--out", default=None, help="folder for the JSON (default: bench/results)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    peers = [x for x in _csv(args.peers) if not (args.no_hf and x == "transformers")]
+    unknown = set(peers) - {"transformers", "llama.cpp"} | set(_csv(args.ours)) - {"compiled", "eager"}
+    if unknown or args.rounds < 1 or args.new_tokens < 2:
+        p.error(f"unknown peer or engine {sorted(unknown)}" if unknown else "--rounds >= 1 and --new-tokens >= 2")
     from laneplay.engine import load_engine
 
-    print(f"load average before: {load_average():.2f} (numbers are only meaningful on a quiet machine)")
+    quiet = [check_quiet(args.allow_noisy, "before")]
     t = time.perf_counter()
-    ours = load_engine("smollm2-135m-instruct", compile=True)
+    ours = {}
+    for kind in _csv(args.ours):
+        ours[f"ours ({kind})"] = load_engine("smollm2-135m-instruct", compile=kind == "compiled")
     compile_s = time.perf_counter() - t
-    eager = load_engine("smollm2-135m-instruct", compile=False)
-    halves = {dt: load_engine("smollm2-135m-instruct", dtype=dt, compile=True) for dt in args.half.split(",") if dt}
-    ids = ours.tokenizer.encode_chat([{"role": "user", "content": QUESTION}])
-    hf = None
-    if not args.no_hf:
+    for dt in _csv(args.half):
+        ours[f"ours (compiled, {dt})"] = load_engine("smollm2-135m-instruct", dtype=dt, compile=True)
+    first = next(iter(ours.values()))
+    prompts = {}
+    for name in _csv(args.prompts):
+        prompts[name] = (first.tokenizer.encode_chat([{"role": "user", "content": QUESTION}]) if name == "short"
+                         else long_prompt_ids(first.tokenizer, int(name)))
+    contenders = {name: (lambda ids, k, e=e: our_run(e, ids, k)) for name, e in ours.items()}
+    notes = []
+    if "transformers" in peers:
         import transformers
 
         from laneplay.engine.checkpoint import resolve_checkpoint
@@ -118,59 +206,92 @@ def main(argv=None) -> int:
         path = resolve_checkpoint("smollm2-135m-instruct")
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                                dtype=torch.float32).eval()
+        contenders["transformers (eager)"] = lambda ids, k: hf_run(hf, ids, k)
+    llm = None
+    if "llama.cpp" in peers:
+        llm, why = llamacpp_model()
+        notes.append(why)
+        print(why)
+        if llm is not None:
+            contenders["llama.cpp (Q4_1)"] = lambda ids, k: llamacpp_run(llm, ids, k)
     bw = measure_bandwidth()
-    contenders = {"ours (compiled)": lambda k: our_run(ours, ids, k), "ours (eager)": lambda k: our_run(eager, ids, k)}
-    contenders.update({f"ours (compiled, {dt})": (lambda k, e=e: our_run(e, ids, k)) for dt, e in halves.items()})
-    if hf is not None:
-        contenders["transformers (eager)"] = lambda k: hf_run(hf, ids, k)
-    runs = {name: [] for name in contenders}
-    for fn in contenders.values():
-        fn(8)  # warm-up
+    runs = {(name, pname): [] for pname in prompts for name in contenders}
+    for pname, ids in prompts.items():
+        for fn in contenders.values():
+            fn(ids, 8)  # warm-up at this prompt length (compiled code may specialise)
     for r in range(args.rounds):  # interleaved, so drift hits every engine alike
-        for name, fn in contenders.items():
-            runs[name].append(fn(args.new_tokens))
-        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]['decode_tps']:.1f}" for k, v in runs.items() if v))
+        for pname, ids in prompts.items():
+            for name, fn in contenders.items():
+                runs[(name, pname)].append(fn(ids, args.new_tokens))
+        print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k[0]} @{k[1]} {v[-1]['decode_tps']:.1f}"
+                                                           for k, v in runs.items() if v))
     bw_after = measure_bandwidth()
-    matvec_tps = {"float32": matvec_only_tps(ours), **{dt: matvec_only_tps(e) for dt, e in halves.items()}}
+    quiet.append(check_quiet(True, "after"))
+    base = ours.get("ours (compiled)") or first
+    matvec_tps = {f"{name}": matvec_only_tps(e) for name, e in ours.items() if "eager" not in name}
     read_gbps = (bw["read_gbps"] + bw_after["read_gbps"]) / 2
-    b = bytes_per_token(ours, len(ids), args.new_tokens)
-    roofline = read_gbps * 1e9 / b["weights"]
+    gguf_bytes = None
+    if llm is not None:
+        from laneplay.engine.checkpoint import resolve_checkpoint
+
+        gguf_bytes = resolve_checkpoint("smollm2-135m-instruct").stat().st_size
     rows = []
-    for name, rs in runs.items():
-        if not rs:
-            continue
-        tps = median([r["decode_tps"] for r in rs])
+    for (name, pname), rs in runs.items():
+        b = bytes_per_token(base, len(prompts[pname]), args.new_tokens)
         scale = 0.5 if "float16" in name else 1.0  # bytes per weight relative to float32
-        rows.append({"engine": name, "prompt": len(ids), "new": args.new_tokens, "ttft_ms": median([r["ttft_ms"] for r in rs]),
-                     "decode_tps": tps, "min": min(r["decode_tps"] for r in rs), "max": max(r["decode_tps"] for r in rs),
-                     "ms_per_token": 1000 / tps, "gbps": tps * scale * (b["weights"] + b["kv_mean"]) / 1e9,
-                     "roofline_frac": tps / (roofline / scale)})
-    hf_tps = next((r["decode_tps"] for r in rows if r["engine"].startswith("transformers")), None)
-    for r in rows:
-        r["vs_transformers"] = r["decode_tps"] / hf_tps if hf_tps else None
-    batched = []
-    for n in (4, 16):
-        our_run(ours, ids, 4, n=n, temperature=0.8)  # warm-up at this batch size
-        rs = [our_run(ours, ids, args.new_tokens, n=n, temperature=0.8) for _ in range(max(1, args.rounds // 2))]
+        weights = gguf_bytes if name.startswith("llama.cpp") else scale * b["weights"]
+        kv = b["kv_mean"] * (0.5 if name.startswith("llama.cpp") else scale)  # llama.cpp keeps an f16 cache
         tps = median([r["decode_tps"] for r in rs])
-        batched.append({"engine": f"ours (compiled), n={n}", "per_sample_tps": tps, "aggregate_tps": n * tps,
+        rows.append({"engine": name, "prompt": pname, "prompt_tokens": len(prompts[pname]), "new": args.new_tokens,
+                     "ttft_ms": median([r["ttft_ms"] for r in rs]), "decode_tps": tps,
+                     "min": min(r["decode_tps"] for r in rs), "max": max(r["decode_tps"] for r in rs),
+                     "ms_per_token": 1000 / tps, "bytes_per_token": weights + kv,
+                     "gbps": tps * (weights + kv) / 1e9, "roofline_frac": tps * weights / (read_gbps * 1e9)})
+    for r in rows:
+        ref = next((x["decode_tps"] for x in rows if x["engine"].startswith("transformers")
+                    and x["prompt"] == r["prompt"]), None)
+        lc = next((x["decode_tps"] for x in rows if x["engine"].startswith("llama.cpp") and x["prompt"] == r["prompt"]),
+                  None)
+        r["vs_transformers"] = r["decode_tps"] / ref if ref else None
+        r["vs_llama_cpp"] = r["decode_tps"] / lc if lc else None
+    batched = []
+    short = prompts.get("short") or next(iter(prompts.values()))
+    ns = [int(n) for n in _csv(args.samples)]
+    if ns:
+        one = [our_run(base, short, args.new_tokens) for _ in range(max(1, args.rounds // 2))]
+        batched.append({"engine": "n=1", "n": 1, "per_sample_tps": median([r["decode_tps"] for r in one]),
+                        "ttft_ms": median([r["ttft_ms"] for r in one])})
+    for n in ns:
+        our_run(base, short, 4, n=n, temperature=0.8)  # warm-up at this batch size
+        rs = [our_run(base, short, args.new_tokens, n=n, temperature=0.8) for _ in range(max(1, args.rounds // 2))]
+        batched.append({"engine": f"n={n}", "n": n, "per_sample_tps": median([r["decode_tps"] for r in rs]),
                         "ttft_ms": median([r["ttft_ms"] for r in rs])})
-    print(f"\nSmolLM2-135M-Instruct, float32, batch 1, greedy, {torch.get_num_threads()} threads; "
-          f"read bandwidth {read_gbps:.1f} GB/s (copy {bw['copy_gbps']:.1f}); weights {b['weights'] / 1e6:.1f} MB/token "
-          f"-> roofline {roofline:.1f} tokens/s; compile + warm-up at load {compile_s:.1f} s")
-    print("eager BLAS matrix-vector products alone (a ceiling for eager engines; compiled code calls BLAS differently): " +
-          ", ".join(f"{dt} {tps:.1f} tokens/s" for dt, tps in matvec_tps.items()) + "\n")
-    print_table(rows, [("engine", "engine", "s"), ("ttft_ms", "TTFT ms", ".0f"), ("decode_tps", "decode tok/s", ".1f"),
-                       ("min", "min", ".1f"), ("max", "max", ".1f"), ("ms_per_token", "ms/token", ".1f"),
-                       ("gbps", "GB/s", ".1f"), ("roofline_frac", "of roofline", ".0%"),
-                       ("vs_transformers", "vs transformers", ".2f")])
-    print()
-    print_table(batched, [("engine", "batched samples", "s"), ("per_sample_tps", "tok/s per sample", ".1f"),
-                          ("aggregate_tps", "aggregate tok/s", ".1f"), ("ttft_ms", "TTFT ms", ".0f")])
-    path = write_json("decode-cpu", {"bandwidth": {"before": bw, "after": bw_after}, "bytes_per_token": b,
-                                     "roofline_tps": roofline, "matvec_only_tps": matvec_tps, "compile_s": compile_s, "rows": rows,
-                                     "batched": batched, "raw": runs, "load_average_after": load_average()})
-    print(f"\nload average after: {load_average():.2f}; wrote {path}")
+    for b_ in batched:
+        b_["aggregate_tps"] = b_["n"] * b_["per_sample_tps"]
+        b_["step_cost_vs_n1"] = batched[0]["per_sample_tps"] / b_["per_sample_tps"]
+    noisy = not all(q["quiet"] for q in quiet)
+    print(f"\nSmolLM2-135M-Instruct, batch 1, greedy, {torch.get_num_threads()} threads, {args.new_tokens} new tokens; "
+          f"read bandwidth {read_gbps:.1f} GB/s (copy {bw['copy_gbps']:.1f}), measured in this run; "
+          f"our float32 load incl. compile {compile_s:.1f} s" + ("  ** NOISY MACHINE **" if noisy else ""))
+    print("eager BLAS matrix-vector products alone (a ceiling for eager engines): " +
+          ", ".join(f"{k} {v:.1f} tokens/s" for k, v in matvec_tps.items()) + "\n")
+    print_table(rows, [("engine", "engine", "s"), ("prompt_tokens", "prompt", "d"), ("ttft_ms", "TTFT ms", ".0f"),
+                       ("decode_tps", "decode tok/s", ".1f"), ("min", "min", ".1f"), ("max", "max", ".1f"),
+                       ("ms_per_token", "ms/token", ".1f"), ("gbps", "GB/s", ".1f"),
+                       ("roofline_frac", "of roofline", ".0%"), ("vs_transformers", "vs transformers", ".2f"),
+                       ("vs_llama_cpp", "vs llama.cpp", ".2f")])
+    if batched:
+        print()
+        print_table(batched, [("engine", "samples in one batch", "s"), ("per_sample_tps", "tok/s per sample", ".1f"),
+                              ("aggregate_tps", "aggregate tok/s", ".1f"), ("step_cost_vs_n1", "step vs n=1", ".2f"),
+                              ("ttft_ms", "TTFT ms", ".0f")])
+    path = write_json("decode-cpu", {"schema": 2, "noisy": noisy, "quiet": quiet, "notes": notes,
+                                     "bandwidth": {"before": bw, "after": bw_after, "read_gbps": read_gbps},
+                                     "matvec_only_tps": matvec_tps, "compile_s": compile_s, "rows": rows,
+                                     "batched": batched,
+                                     "raw": [{"engine": k[0], "prompt": k[1], "runs": v} for k, v in runs.items()]},
+                      out=args.out)
+    print(f"\nwrote {path}")
     return 0
 
 

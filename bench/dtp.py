@@ -17,7 +17,7 @@ import tempfile
 
 import torch
 
-from laneplay.bench.common import load_average, median, print_table, write_json
+from laneplay.bench.common import check_quiet, median, print_table, write_json
 
 
 def released_shape(width: int) -> dict:
@@ -53,7 +53,10 @@ def main(argv=None) -> int:
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--allow-noisy", action="store_true", help="report on a busy machine (numbers flagged noisy)")
+    p.add_argument("--out", default=None, help="folder for the JSON (default: bench/results)")
     args = p.parse_args(argv)
+    quiet = [check_quiet(args.allow_noisy, "before")]
     from laneplay.engine import load_engine
     from laneplay.engine.checkpoint import random_laneformer_tensors, write_checkpoint
 
@@ -90,8 +93,9 @@ def main(argv=None) -> int:
     if delayed and exposed:
         ratio = median([r["ms_per_token"] for r in exposed]) / median([r["ms_per_token"] for r in delayed])
         print(f"\nwait-now / delayed ms per token: {ratio:.2f}x")
-    path = write_json(f"dtp-{device}", {"config": raw, "world_size": ws, "rows": rows, "note": note,
-                                        "load_average_after": load_average()})
+    quiet.append(check_quiet(True, "after"))
+    path = write_json(f"dtp-{device}", {"schema": 2, "noisy": not all(q["quiet"] for q in quiet), "quiet": quiet,
+                                        "config": raw, "world_size": ws, "rows": rows, "note": note}, out=args.out)
     print(f"wrote {path}")
     return 0
 

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from laneplay.bench.common import load_average, median, print_table, write_json
+from laneplay.bench.common import check_quiet, median, print_table, write_json
 
 SNIPPET = "def f{i}(x):\n    return x * {i} + 1\n\n"
 
@@ -85,10 +85,12 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--chunk", type=int, default=512, help="our prefill chunk (tokens)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
+    p.add_argument("--allow-noisy", action="store_true", help="report on a busy machine (numbers flagged noisy)")
+    p.add_argument("--out", default=None, help="folder for the JSON (default: bench/results)")
     args = p.parse_args(argv)
     from laneplay.engine import load_engine
 
-    print(f"load average before: {load_average():.2f} (numbers are only meaningful on a quiet machine)")
+    quiet = [check_quiet(args.allow_noisy, "before")]
     eng = load_engine("smollm2-135m-instruct", prefill_chunk=args.chunk)
     lengths = [int(x) for x in args.lengths.split(",")]
     context = eng.cfg.max_position_embeddings
@@ -131,9 +133,11 @@ def main(argv=None) -> int:
     print_table(rows, [("engine", "engine", "s"), ("prompt", "prompt tokens", "d"), ("ttft_ms", "TTFT ms", ".0f"),
                        ("prompt_tps", "prompt tok/s", ".0f"), ("peak_mb", "peak RSS growth MB", ".0f"),
                        ("vs_transformers", "speed vs transformers", ".2f"), ("same_token", "same first token", "s")])
-    path = write_json("prefill-cpu", {"chunk": args.chunk, "rows": rows,
-                                      "raw": {str(k): v for k, v in raw.items()}, "load_average_after": load_average()})
-    print(f"\nload average after: {load_average():.2f}; wrote {path}")
+    quiet.append(check_quiet(True, "after"))
+    path = write_json("prefill-cpu", {"schema": 2, "noisy": not all(q["quiet"] for q in quiet), "quiet": quiet,
+                                      "chunk": args.chunk, "rows": rows, "raw": {str(k): v for k, v in raw.items()}},
+                      out=args.out)
+    print(f"\nwrote {path}")
     return 0
 
 

@@ -13,9 +13,15 @@ so no per-token broadcast is needed; rank 0's "stop now" flag (client gone, stop
 the per-step gather. The front broadcasts each request to all ranks over pipes, turns rank 0's
 token stream into text, and watches the ranks: a rank that dies or raises ends the engine with an
 error naming it, and no process is left behind.
+
+With the timeline on, every rank records where its decode steps went (compute, collectives issued,
+delayed waits, "wait now" waits, blocking collectives); at the end of a request the ranks gather
+their per-step summaries (`summarize_timeline`) to rank 0, whose "done" carries them to the front
+(`DTPRunner.last_timeline`). `DTPRunner.request_settings` sets both for one request only.
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import math
@@ -29,6 +35,7 @@ import tempfile
 import threading
 import time
 import traceback
+from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import timedelta
 from multiprocessing.connection import Client, Listener
@@ -88,6 +95,11 @@ class DistLanes:
         self.stop_requested = stop_requested  # rank 0: has the front asked to stop this request?
         self.stopped = False  # set by every rank from rank 0's flag, at the same step
         self.events: list[tuple[str, float, float]] = []  # (kind, start, end): blocked time on this rank
+        self._open_step: int | None = None  # events index of the decode step whose token pick is still to come
+
+    def begin_request(self) -> None:
+        self.stopped, self._open_step = False, None
+        self.events.clear()
 
     # -- the delayed reduce (issue and wait points) --
     def _local(self, x: Tensor) -> Tensor:
@@ -126,6 +138,16 @@ class DistLanes:
     def note_step(self, start: float, end: float) -> None:
         if self.record:
             self.events.append(("step", start, end))
+            self._open_step = len(self.events) - 1
+
+    def _note_pick(self, start: float) -> None:
+        """The per-step gather blocks, and it is part of the decode step whose token it picks: the
+        step's span is stretched to its end (a pick after the prefill belongs to no step)."""
+        end = time.perf_counter()
+        self.events.append(("blocking", start, end))
+        if self._open_step is not None:
+            kind, s, _ = self.events[self._open_step]
+            self.events[self._open_step], self._open_step = (kind, s, end), None
 
     # -- from the head's output to tokens (spec §2.5) --
     @property
@@ -166,6 +188,7 @@ class DistLanes:
         `sample` (which handles rows with different settings). Every rank samples the same token with
         the same seeded generators. Rank 0's stop flag rides along, so all ranks leave the loop at the
         same step."""
+        t0 = time.perf_counter()
         flag = torch.tensor([1.0 if self.rank == 0 and self.stop_requested() else 0.0], device=local.device)
         n = local.shape[0]
         if params.greedy and not self.full_logits:
@@ -181,6 +204,8 @@ class DistLanes:
             logits, flags = self.gather_logits(local, flag)
             tokens = sample(logits, params, generators)
         self.stopped = bool(flags.sum().item() > 0)
+        if self.record:
+            self._note_pick(t0)
         return tokens
 
 
@@ -223,25 +248,71 @@ class Rank:
         return self.runner.logits(torch.tensor(ids, dtype=torch.long)).cpu()
 
     def generate(self, rid, ids, params: SamplingParams, seeds, eos_ids):
-        self.request_id, self.comm.stopped = rid, False
-        self.comm.events.clear()
+        self.request_id = rid
+        self.comm.begin_request()
         for host, t in self.runner.token_steps(ids, params, seeds, eos_ids, should_stop=lambda: self.comm.stopped):
             if self.rank == 0:
                 self.conn.send(("tokens", rid, host, t))
+        timelines = None
+        if self.comm.record:  # every rank's summary to rank 0 (all ranks leave the loop at the same step)
+            timelines = [None] * self.comm.world if self.rank == 0 else None
+            dist.gather_object(self.timeline_summary(), timelines, dst=0)
         if self.rank == 0:
-            self.conn.send(("done", rid, self.timeline_summary()))
+            self.conn.send(("done", rid, timelines))
 
     def timeline_summary(self) -> dict:
-        """Where rank 0's decode steps went: whole steps, and the time blocked in collectives inside them
-        (waits on delayed all-reduces, immediate "wait now" waits, blocking all-reduces); the rest is compute.
-        `events` keeps the raw (kind, start, end) spans of this request."""
-        out = {"rank": self.rank, "events": [(k, s, e) for k, s, e in self.comm.events]}
-        for kind in ("step", "blocking", "exposed", "issue", "wait"):
-            spans = [e - s for k, s, e in self.comm.events if k == kind]
-            out[kind] = {"count": len(spans), "ms": 1000 * sum(spans)}
-        blocked = sum(out[k]["ms"] for k in ("blocking", "exposed", "wait"))
-        out["compute_ms"] = out["step"]["ms"] - blocked if out["step"]["count"] else None
-        return out
+        """This rank's decode steps of the request, aggregated (see `summarize_timeline`)."""
+        return summarize_timeline(self.comm.events, self.rank)
+
+
+# ---- timelines ----------------------------------------------------------------------------------
+
+STEPS_KEPT = 64  # per rank, the last this many decode steps go to the front step by step
+TIMELINE_KINDS = ("step", "issue", "wait", "exposed", "blocking")
+STEP_COLUMNS = ("ms", "compute_ms", "issued", "issue_ms", "waits", "waited_ms", "exposed", "exposed_ms",
+                "blocking", "blocking_ms")
+
+
+def summarize_timeline(events, rank: int, keep: int = STEPS_KEPT) -> dict:
+    """Where one rank's decode steps went, from its (kind, start, end) spans.
+
+    A decode step ("step") runs from the start of the model's forward to the end of the gather that
+    picks its token. Inside it: collectives issued ("issue": delayed all-reduces started), waits on
+    delayed all-reduces issued `broadcast_delay` layers earlier ("wait"), immediate waits of the
+    "wait now" mode ("exposed"), and blocking collectives (early layers, final aggregation, the
+    token gather: "blocking"); compute is the step less the time blocked in waits, exposed waits and
+    blocking collectives. Totals cover every decode step; `steps` holds the last `keep` of them, one
+    list per column; spans outside any decode step (prefill, the first token's gather) are `prefill`.
+    All times in ms.
+    """
+    spans = sorted((s, e) for k, s, e in events if k == "step")
+    starts = [s for s, _ in spans]
+    per = [{kind: [0, 0.0] for kind in TIMELINE_KINDS[1:]} for _ in spans]  # kind -> [count, ms]
+    prefill = {kind: [0, 0.0] for kind in TIMELINE_KINDS[1:]}
+    for kind, s, e in events:
+        if kind == "step":
+            continue
+        i = bisect.bisect_right(starts, s) - 1
+        slot = per[i][kind] if i >= 0 and s < spans[i][1] else prefill[kind]
+        slot[0] += 1
+        slot[1] += 1000 * (e - s)
+    r = lambda x: round(x, 4)  # noqa: E731 - 0.1 us
+    rows = []
+    for (s, e), row in zip(spans, per):
+        ms = 1000 * (e - s)
+        blocked = row["wait"][1] + row["exposed"][1] + row["blocking"][1]
+        rows.append((ms, ms - blocked, row["issue"][0], row["issue"][1], row["wait"][0], row["wait"][1],
+                     row["exposed"][0], row["exposed"][1], row["blocking"][0], row["blocking"][1]))
+    kept = rows[-keep:] if keep else []
+    out = {"rank": rank, "decode_steps": len(rows), "first_step": len(rows) - len(kept),
+           "step": {"count": len(rows), "ms": r(sum(x[0] for x in rows))}}
+    for kind, (ci, mi) in (("issue", (2, 3)), ("wait", (4, 5)), ("exposed", (6, 7)), ("blocking", (8, 9))):
+        out[kind] = {"count": sum(x[ci] for x in rows), "ms": r(sum(x[mi] for x in rows))}
+    out["compute_ms"] = r(sum(x[1] for x in rows)) if rows else None
+    out["prefill"] = {kind: {"count": c, "ms": r(ms)} for kind, (c, ms) in prefill.items()}
+    out["steps"] = {col: [r(x[j]) if isinstance(x[j], float) else x[j] for x in kept]
+                    for j, col in enumerate(STEP_COLUMNS)}
+    return out
 
 
 def _die_with_parent() -> None:
@@ -450,6 +521,35 @@ class DTPRunner:
         self._send(("configure", self.wait_now, self.record_timeline))
         self._gather_replies("configured", timeout=self.timeout_s)
 
+    @property
+    def collectives(self) -> str:
+        return "wait_now" if self.wait_now else "delayed"
+
+    @contextmanager
+    def request_settings(self, wait_now: bool | None = None, timeline: bool = False):
+        """One request's collectives (None: the engine's own) and timeline recording, set before it and
+        put back after; each change is one round trip to the ranks, so only changes are sent. Yields
+        the collectives the request runs with; `last_timeline` is cleared first, so afterwards it is
+        this request's (None when nothing was recorded)."""
+        before = (self.wait_now, self.record_timeline)
+        want = (before[0] if wait_now is None else bool(wait_now), before[1] or bool(timeline))
+        self.last_timeline = None
+        if want != before:
+            self.configure(*want)
+        try:
+            yield self.collectives
+        finally:
+            if want != before and not self._failure:
+                self.configure(*before)
+
+    def _timeline(self, ranks: list[dict] | None) -> dict | None:
+        """The request's timeline: every rank's summary under "ranks"; the top-level totals are rank 0's."""
+        if not ranks:
+            return None
+        top = {k: ranks[0][k] for k in ("step", "issue", "wait", "exposed", "blocking", "compute_ms")}
+        return {"collectives": self.collectives, "world_size": self.world_size, "steps_kept": STEPS_KEPT,
+                **top, "ranks": ranks}
+
     # -- the runner surface the front end uses --
     def logits(self, ids: Tensor) -> Tensor:
         self._send(("logits", ids.tolist()))
@@ -472,7 +572,7 @@ class DTPRunner:
                 check_stop()
                 msg = self._recv(while_waiting=check_stop)
                 if msg[0] == "done" and msg[1] == rid:
-                    self.last_timeline, finished = msg[2], True
+                    self.last_timeline, finished = self._timeline(msg[2]), True
                     return
                 if msg[0] == "tokens" and msg[1] == rid:
                     yield msg[2], msg[3]
@@ -482,7 +582,7 @@ class DTPRunner:
                     self._send(("cancel", rid), ranks=[0])
                 while (msg := self._recv())[:2] != ("done", rid):
                     pass
-                self.last_timeline = msg[2]
+                self.last_timeline = self._timeline(msg[2])
 
     def close(self) -> None:
         for c in self.conns:

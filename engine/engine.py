@@ -109,6 +109,19 @@ class Engine:
         return stream_events(steps, params, seeds, self.tokenizer, self.eos_ids, len(ids), str(self.device),
                              self.world_size, t_start)
 
+    def request_settings(self, collectives: str | None = None, timeline: bool = False):
+        """A context manager around one request's generation on a DTP engine: its collectives
+        ("delayed" or "wait_now"; None: the engine's own) and its per-rank timeline, for that request
+        only; yields the collectives in use, and `last_timeline` is the request's afterwards."""
+        settings = getattr(self.runner, "request_settings", None)
+        if settings is None:
+            raise ValueError("collectives and timeline apply to DTP engines (world size 2 or more) only")
+        return settings(wait_now=None if collectives is None else collectives == "wait_now", timeline=timeline)
+
+    @property
+    def last_timeline(self) -> dict | None:
+        return getattr(self.runner, "last_timeline", None)
+
     @functools.cached_property
     def eos_ids(self) -> set[int]:
         """Token ids that end a sample: from config.json and the tokenizer's configs."""

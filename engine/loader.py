@@ -27,7 +27,7 @@ def load_engine(model: str | os.PathLike = "smollm2-135m-instruct", device: str 
     compiled on CPU at world size 1). kv_budget_gb: the most KV cache one request may reserve
     (default: a fifth of RAM on CPU, 40% of the GPU on CUDA); a request past it is refused up front.
     progress: called with "loading" and "compiling" as loading goes on (the app shows it). world_size > 1 runs the model's lanes on that many rank processes (DTP); its options are
-    `wait_now` (expose the collectives: the A/B of the delay), `timeline` (record rank 0's spans)
+    `wait_now` (expose the collectives: the A/B of the delay), `timeline` (record every rank's per-step spans)
     and `timeout_s` (a silent rank is a failure after this long).
     """
     unknown = [k for k in options if k not in DTP_OPTIONS]

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections import deque
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
@@ -50,6 +51,9 @@ class Job:
     timed_out: bool = False
     outcome: str | None = None  # completed | cancelled | timeout | dropped | error
     finals: dict[int, GenerationMetrics] = field(default_factory=dict)  # sample index -> final metrics
+    dtp: dict | None = None  # this request's DTP settings: {"collectives": str | None, "timeline": bool}
+    collectives: str | None = None  # what it ran with ("delayed" | "wait_now"), when it asked
+    timeline: dict | None = None  # its per-rank timeline, when it asked for one
 
     @property
     def queue_ms(self) -> float | None:
@@ -113,12 +117,13 @@ class Scheduler:
         if self._thread is not None and timeout != 0:
             self._thread.join(timeout)
 
-    def submit(self, ids: list[int], params: SamplingParams) -> Job:
-        """Queue a validated request (call from the event loop); raises QueueFull when the queue is full."""
+    def submit(self, ids: list[int], params: SamplingParams, dtp: dict | None = None) -> Job:
+        """Queue a validated request (call from the event loop); raises QueueFull when the queue is full.
+        `dtp`: the request's own DTP settings (`Engine.request_settings`), applied while it runs."""
         with self._cond:
             if self._closed or len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"the engine queue is full ({self.max_queue} requests waiting); retry later")
-            job = Job(ids, params, asyncio.get_running_loop(), seq=next(self._arrivals))
+            job = Job(ids, params, asyncio.get_running_loop(), seq=next(self._arrivals), dtp=dtp)
             self._waiting.append(job)
             self._cond.notify()
         return job
@@ -180,12 +185,22 @@ class Scheduler:
             return job.cancelled or job.timed_out
 
         stopped = False
-        try:
-            for ev in self.engine.generate(job.ids, job.params, should_stop=should_stop):
-                if ev.finish_reason:
-                    job.finals[ev.sample_index] = ev.metrics
-                    stopped |= ev.finish_reason == "cancelled"
-                job.push(ev)
+        wants_timeline = bool(job.dtp and job.dtp.get("timeline"))
+        try:  # requests run one at a time, so a request's DTP settings hold for it alone
+            with self.engine.request_settings(**job.dtp) if job.dtp else nullcontext() as job.collectives:
+                last = None
+                for ev in self.engine.generate(job.ids, job.params, should_stop=should_stop):
+                    if ev.finish_reason:
+                        job.finals[ev.sample_index] = ev.metrics
+                        stopped |= ev.finish_reason == "cancelled"
+                        if wants_timeline and len(job.finals) == job.params.n:
+                            last = ev  # the last event waits for the timeline: it comes once the ranks finish
+                            continue
+                    job.push(ev)
+                if wants_timeline:
+                    job.timeline = self.engine.last_timeline
+                if last is not None:
+                    job.push(last)
         except Exception as e:
             log.exception("generation failed")
             job.outcome = "error"

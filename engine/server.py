@@ -11,6 +11,15 @@ clients ignore unknown fields): ttft_ms, decode_tokens_per_second, ms_per_token,
 world_size, queue_ms, request_seq (arrival order), start_seq (order the engine started requests),
 per_choice (each choice's timing, seed and sampling settings). When streaming, the chunk that finishes a choice carries that choice's timing, and the
 last chunk before [DONE] (the usage chunk when stream_options.include_usage is set) carries it all.
+
+A request may carry a "laneplay" object of its own, for DTP engines (world size 2 or more):
+{"collectives": "delayed" | "wait_now", "timeline": true | false}. The engine runs that request, and
+only it, with those collectives (the A/B of the delay is two requests), and with "timeline" the final
+"laneplay" object adds "timeline": every rank's decode steps (compute, collectives issued, delayed
+waits, "wait now" waits, blocking collectives; totals and the last 64 steps, see
+engine.dtp.summarize_timeline). The response says which collectives ran ("collectives"). At world
+size 1 either setting is a 400 (there are no collectives); an empty object or "timeline": false is
+accepted and changes nothing.
 """
 from __future__ import annotations
 
@@ -83,6 +92,7 @@ class ParsedRequest:
     max_tokens_given: bool
     stream: bool
     include_usage: bool
+    dtp: dict | None = None  # the "laneplay" extension: {"collectives": str | None, "timeline": bool}
 
 
 def parse_request(body, chat: bool) -> ParsedRequest:
@@ -121,7 +131,38 @@ def parse_request(body, chat: bool) -> ParsedRequest:
         max_tokens_given=max_tokens is not None,
         stream=_field(body, "stream", _BOOL, False),
         include_usage=_field(options, "include_usage", _BOOL, False, param="stream_options.include_usage"),
+        dtp=_dtp_settings(body),
     )
+
+
+COLLECTIVES = ("delayed", "wait_now")
+_DTP_KEYS = ("collectives", "timeline")
+
+
+def _dtp_settings(body: dict) -> dict | None:
+    """The "laneplay" extension: one request's DTP collectives and timeline (None: not asked for)."""
+    ext = _field(body, "laneplay", _OBJ)
+    if ext is None:
+        return None
+    unknown = sorted(set(ext) - set(_DTP_KEYS))
+    if unknown:
+        raise APIError(400, f"'laneplay.{unknown[0]}' is not a setting of the 'laneplay' object; allowed: "
+                            f"{', '.join(_DTP_KEYS)}.", f"laneplay.{unknown[0]}", "unknown_parameter")
+    collectives = _field(ext, "collectives", _STR, param="laneplay.collectives")
+    if collectives is not None and collectives not in COLLECTIVES:
+        raise APIError(400, f"'laneplay.collectives' must be \"delayed\" or \"wait_now\", got "
+                            f"{json.dumps(collectives)}.", "laneplay.collectives", "invalid_value")
+    timeline = _field(ext, "timeline", _BOOL, False, param="laneplay.timeline")
+    return {"collectives": collectives, "timeline": timeline} if collectives is not None or timeline else None
+
+
+def check_dtp_settings(dtp: dict | None, world_size: int) -> None:
+    """DTP settings need a DTP engine: at world size 1 there are no collectives to change or record."""
+    if dtp is None or world_size > 1:
+        return
+    name = "laneplay.collectives" if dtp["collectives"] is not None else "laneplay.timeline"
+    raise APIError(400, f"'{name}' needs a DTP engine, and this one runs at world size 1 (no collectives); "
+                        "start it with --world-size 2 or more.", name, "unsupported_parameter")
 
 
 def _samples(body: dict) -> list[dict] | None:
@@ -232,8 +273,13 @@ class Reply:
 
     def timing(self) -> dict:
         per_choice = [choice_timing(i, m) for i, m in sorted(self.job.finals.items())]
-        return {**request_timing(self.job), "device": str(self.engine.device),
-                "world_size": getattr(self.engine, "world_size", 1), "per_choice": per_choice}
+        out = {**request_timing(self.job), "device": str(self.engine.device),
+               "world_size": getattr(self.engine, "world_size", 1), "per_choice": per_choice}
+        if self.job.dtp is not None:  # the request's own DTP settings: what ran, and its timeline
+            out["collectives"] = self.job.collectives
+            if self.job.dtp["timeline"]:
+                out["timeline"] = self.job.timeline
+        return out
 
     def chunk(self, index: int, text: str, reason: str | None, first: bool) -> dict:
         if self.chat:
@@ -435,6 +481,8 @@ def create_app(engine, *, api_key: str | None = None, max_queue: int = 32, reque
     metrics = ServerMetrics(scheduler)
     scheduler.on_finish = metrics.observe
     started = int(time.time())
+    to_dict = getattr(engine.cfg, "to_dict", None)  # the served model's shapes (the app's performance model)
+    model_config = to_dict() if to_dict else None
 
     @asynccontextmanager
     async def lifespan(app):
@@ -478,6 +526,7 @@ def create_app(engine, *, api_key: str | None = None, max_queue: int = 32, reque
         if isinstance(body, dict):
             check_model(_field(body, "model", _STR))
         req = parse_request(body, chat)
+        check_dtp_settings(req.dtp, getattr(engine, "world_size", 1))
         try:  # tokenizing a long prompt takes a moment: off the event loop
             ids, params = await run_in_threadpool(engine.prepare, req.prompt, req.params, chat)
         except ValueError as e:
@@ -486,7 +535,7 @@ def create_app(engine, *, api_key: str | None = None, max_queue: int = 32, reque
         if not req.max_tokens_given:
             params.max_tokens = min(DEFAULT_MAX_TOKENS, context - len(ids))
         try:
-            job = scheduler.submit(ids, params)
+            job = scheduler.submit(ids, params, dtp=req.dtp)
         except QueueFull as e:
             retry = str(max(1, math.ceil(scheduler.mean_job_s)))
             raise APIError(429, str(e), code="queue_full", type="rate_limit_error",
@@ -517,7 +566,8 @@ def create_app(engine, *, api_key: str | None = None, max_queue: int = 32, reque
     async def health():
         return {"status": "ok", "model": served, "queue_depth": scheduler.depth, "busy": scheduler.busy,
                 "max_queue": scheduler.max_queue, "device": str(engine.device),
-                "world_size": getattr(engine, "world_size", 1), "context_length": context}
+                "world_size": getattr(engine, "world_size", 1), "context_length": context,
+                "model_config": model_config}
 
     @app.get("/metrics")
     async def prometheus_metrics():

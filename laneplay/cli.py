@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("laneplay.engine.generate_cli", "one prompt -> stdout, then a line with TTFT and tokens/s"),
     "eval": ("laneplay.evals.cli", "pass@N over a problem set, results to SQLite + JSON"),
     "bench": ("laneplay.bench.cli", "the benchmarks (printed tables + JSON in bench/results/)"),
+    "perfmodel": ("laneplay.bench.perfmodel", "batch-1 decode performance model: standard TP vs DTP on a GPU node"),
     "db": ("laneplay.storage.cli", "database maintenance (`laneplay db upgrade`)"),
 }
 

@@ -132,3 +132,12 @@ def test_a_sample_is_served_to_its_owner_and_through_a_share_link_only(store):
         for bad in (f"/s/{'A' * 43}/runs/0/sample{query}", f"/s/{token}/runs/1/sample{query}",
                     f"/s/{token}/runs/-1/sample{query}", f"/s/{token}/runs/{cid}/sample{query}"):
             assert client.get(bad).status_code in (404, 422), bad
+
+
+def test_the_app_marks_runs_of_a_stopped_server_interrupted_as_it_starts(store):
+    _, cid = stored_run(store, statuses=(("pass", "fail"), ()), finish=False)
+    assert store.get_comparison(cid)["status"] == "running"
+    create_app(AppContext(engine=RemoteEngine("http://127.0.0.1:9"), store=store))
+    run = store.get_comparison(cid)
+    assert run["status"] == "interrupted" and len(run["results"]) == 2  # what finished is kept
+    assert "the server stopped during the run" in progress_html(run)

@@ -1,8 +1,8 @@
 """Browser tests: Python Playwright driving Debian's chromium against a real `laneplay serve`.
 
-The server (with its local engine, the embedded default model) and the browser start once per test run
-(loading the model is most of a module's time on the 2-core machine); each test module uses its own
-browser contexts, so cookies, and so History, never leak from one module into another. Every
+The server (with its local engine, the embedded default model) starts once per test run (loading the
+model is most of a module's time on the 2-core machine); each test module starts its own browser and
+contexts, so cookies, and so History, never leak from one module into another. Every
 request a page makes is recorded; anything not addressed to 127.0.0.1 is aborted and fails the test.
 """
 from __future__ import annotations
@@ -90,8 +90,10 @@ def server(tmp_path_factory):
         proc.wait(5)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
+    """Per module: Playwright's sync API keeps an event loop running in the main thread while it is up,
+    and later (non-browser) tests call asyncio.run() there."""
     from playwright.sync_api import sync_playwright
 
     pw = sync_playwright().start()

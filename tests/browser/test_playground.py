@@ -251,10 +251,12 @@ def test_rename_and_delete_a_session_in_history(server, owner):
     _, _, page = owner
     before = history_rows(page)
     assert before, "the earlier tests left sessions in this browser's History"
-    page.locator('#history [role=row][aria-rowindex="2"] [role=gridcell]').first.click()
-    page.wait_for_function("() => document.querySelector('#history-title textarea, #history-title input')"
-                           ".value.length > 0")
     title = page.locator("#history-title textarea, #history-title input").first
+    title.fill("")  # an earlier test selected a row: wait for this selection's title, not that one's
+    first = before[0].split("\n")[0]
+    page.locator('#history [role=row][aria-rowindex="2"] [role=gridcell]').first.click()
+    page.wait_for_function("t => document.querySelector('#history-title textarea, #history-title input')"
+                           ".value === t", arg=first)
     title.fill("Renamed in the browser test")
     title.press("Tab")
     time.sleep(0.3)

@@ -1,0 +1,476 @@
+"""The DTP tab: delayed collectives against "wait now" on the running engine, step by step and rank by rank.
+
+A/B runs the Playground's prompt (editor, instruction, mode) twice, greedy and with a fixed token count:
+first with DTP's delayed collectives, then with every collective waited for where it is issued (the same
+function, with the communication exposed). Each run is one request with the engine's `laneplay`
+extension, {"collectives": ..., "timeline": true}, and streams into its own meter (`#dtp-meter-delayed`,
+`#dtp-meter-wait`). Its final `laneplay` record carries every rank's timeline, drawn as an inline SVG
+(`#dtp-timeline`: one row per mode and rank, each decode step split into compute, issuing, delayed waits,
+"wait now" waits and blocking collectives) and summed up in `#dtp-table` (per mode: ms/token, tokens/s,
+per-token exposed / waited / blocking ms of each rank, and the share of communication that the delay hid).
+
+Beside it, `#dtp-prediction`: the performance model's estimate for 8×H200 (bench/perfmodel.py), for the
+served model when it splits over 8 GPUs, else for Laneformer 2B, saying which. An A/B is a measurement,
+not a generation of the session: nothing is stored.
+
+The view needs a Laneplay engine (the extension and the timeline are ours) running at world size 2 or
+more (`laneplay serve --world-size 2`); otherwise it says so and A/B is off.
+"""
+from __future__ import annotations
+
+import asyncio
+import html
+import time
+from contextlib import aclosing
+from dataclasses import dataclass, field, fields, replace
+
+import gradio as gr
+
+from laneplay.app import playground
+from laneplay.app.client import EngineError, StreamTimer
+from laneplay.app.context import AppContext, InputError, check_texts, request_body, sampling
+from laneplay.app.meter import MeterData, render
+
+MODES = (("delayed", "delayed (DTP)", "dtp-meter-delayed"), ("wait_now", "wait now (exposed)", "dtp-meter-wait"))
+DEFAULT_MAX_TOKENS = 64
+MAX_AB_TOKENS = 512
+NODE = "8xH200"
+COLORS = {"compute": "#94a3b8", "issued": "#2563eb", "waited": "#f59e0b", "exposed": "#dc2626",
+          "blocking": "#7c3aed"}
+LEGEND = {"compute": "compute", "issued": "issuing collectives", "waited": "waiting (delayed)",
+          "exposed": "waiting (wait now)", "blocking": "blocking collectives"}
+
+
+def _f(x: float | None, fmt: str) -> str:
+    return "" if x is None else format(x, fmt)
+
+
+def _esc(x) -> str:
+    return html.escape(str(x), quote=True)
+
+
+# ---- is the view usable? ------------------------------------------------------------------------------
+
+def availability(ctx: AppContext) -> tuple[bool | None, str]:
+    """(True: A/B can run, False: it cannot on this engine, None: not known yet), and what to tell the user."""
+    e = ctx.engine
+    info = e.info or {}
+    if not e.ready:
+        return None, f"The engine is {e.state} ({e.detail}); A/B waits for it."
+    if not info.get("laneplay", True):
+        return False, ("The DTP view needs a Laneplay engine: the server at the engine URL does not speak "
+                       "Laneplay's extension (per-request collectives and per-rank timelines), so there is "
+                       "nothing to compare. Run `laneplay serve --world-size 2` (or point --engine-url at a "
+                       "`laneplay engine --world-size 2`).")
+    ws = int(info.get("world_size") or 1)
+    if ws < 2:
+        return False, ("This engine runs at world size 1: all lanes in one process, so there are no collectives "
+                       "to delay or expose. Run `laneplay serve --world-size 2` to start a local engine with 2 "
+                       "DTP ranks (CPU works), then come back here.")
+    return True, (f"{info.get('model')} on {info.get('device')} × {ws} DTP ranks. A/B runs the Playground's prompt "
+                  "twice, greedy: delayed collectives, then wait-now.")
+
+
+def status_html(ctx: AppContext) -> str:
+    ok, message = availability(ctx)
+    state = {True: "ready", False: "unavailable", None: "waiting"}[ok]
+    ws = (ctx.engine.info or {}).get("world_size")
+    cls = "lp-dtp-status" + (" lp-dtp-off" if ok is False else "")
+    return (f'<div id="dtp-status" class="{cls}" data-state="{state}" data-world-size="{_esc(ws or "")}">'
+            f'{_md_code(message)}</div>')
+
+
+def _md_code(text: str) -> str:
+    """`x` as <code>x</code>, the rest escaped."""
+    parts = html.escape(text).split("`")
+    return "".join(f"<code>{p}</code>" if i % 2 else p for i, p in enumerate(parts))
+
+
+# ---- the requests -------------------------------------------------------------------------------------
+
+def ab_requests(mode: str, code: str, instruction: str, max_tokens: int) -> list[tuple[str, dict, bool]]:
+    """(collectives, body, chat?) for the two runs: the same greedy request, delayed then wait-now. EOS is
+    ignored so both decode exactly `max_tokens` tokens."""
+    params = {"temperature": 0.0, "top_p": 1.0, "max_tokens": max_tokens, "ignore_eos": True}
+    out = []
+    for collectives, _, _ in MODES:
+        body, chat = request_body(mode, code, instruction, params, None)
+        out.append((collectives, {**body, "laneplay": {"collectives": collectives, "timeline": True}}, chat))
+    return out
+
+
+@dataclass
+class Run:
+    """One mode's run: its meter, its text, and the engine's final `laneplay` record (with the timeline)."""
+    collectives: str
+    meter: MeterData = field(default_factory=lambda: MeterData(state="idle"))
+    timer: StreamTimer | None = None
+    text: str = ""
+    timing: dict | None = None
+
+    @property
+    def timeline(self) -> dict | None:
+        return (self.timing or {}).get("timeline")
+
+
+# ---- the numbers --------------------------------------------------------------------------------------
+
+def per_token(rank: dict) -> dict:
+    """A rank's timeline totals per decode step (ms): step, compute, exposed, waited, blocking; issued count."""
+    n = rank.get("decode_steps") or 0
+    if not n:
+        return {}
+    return {"step_ms": rank["step"]["ms"] / n, "compute_ms": (rank.get("compute_ms") or 0) / n,
+            "exposed_ms": rank["exposed"]["ms"] / n, "waited_ms": rank["wait"]["ms"] / n,
+            "blocking_ms": rank["blocking"]["ms"] / n, "issued": rank["issue"]["count"] / n}
+
+
+def exposed_comm_ms(timeline: dict | None) -> float | None:
+    """Communication a mode left exposed, per token, averaged over ranks: the waits on delayed collectives
+    plus the "wait now" waits (the blocking collectives are the same in both modes and not counted)."""
+    ranks = [per_token(r) for r in (timeline or {}).get("ranks") or []]
+    ranks = [r for r in ranks if r]
+    if not ranks:
+        return None
+    return sum(r["exposed_ms"] + r["waited_ms"] for r in ranks) / len(ranks)
+
+
+def hidden_share(delayed: dict | None, wait_now: dict | None) -> float | None:
+    """1 - delayed's exposed communication / wait-now's: the share of communication the delay hid."""
+    d, w = exposed_comm_ms(delayed), exposed_comm_ms(wait_now)
+    if d is None or not w:
+        return None
+    return 1 - d / w
+
+
+# ---- the timeline (inline SVG) -----------------------------------------------------------------------
+
+def _segments(cols: dict, i: int) -> list[tuple[str, float]]:
+    issue = cols["issue_ms"][i]
+    return [("compute", max(cols["compute_ms"][i] - issue, 0.0)), ("issued", issue), ("waited", cols["waited_ms"][i]),
+            ("exposed", cols["exposed_ms"][i]), ("blocking", cols["blocking_ms"][i])]
+
+
+def timeline_svg(runs: list[Run]) -> str:
+    """One row per mode and rank; each decode step kept by the engine (its last 64) is a run of coloured
+    segments in proportion to its time, on one time axis for every row; hovering a step gives its numbers."""
+    rows = [(run, rank) for run in runs for rank in ((run.timeline or {}).get("ranks") or [])]
+    if not rows:
+        return ('<div id="dtp-timeline" class="lp-dtp-empty" data-rows="0">The per-rank timeline shows here after '
+                'an A/B.</div>')
+    label_w, bar_w, right_w, row_h, gap, top = 130, 780, 90, 20, 8, 34
+    total = max(sum(rank["steps"]["ms"]) for _, rank in rows) or 1.0
+    scale = bar_w / total
+    width, height = label_w + bar_w + right_w, top + len(rows) * (row_h + gap) + 18
+    out = [f'<svg id="dtp-timeline" class="lp-dtp-timeline" data-rows="{len(rows)}" viewBox="0 0 {width} {height}" '
+           f'width="100%" role="img" aria-label="per-rank decode steps, delayed and wait-now" '
+           f'xmlns="http://www.w3.org/2000/svg">']
+    x = label_w
+    for kind, color in COLORS.items():  # the legend
+        out.append(f'<rect x="{x}" y="6" width="11" height="11" rx="2" fill="{color}"/>'
+                   f'<text x="{x + 15}" y="15.5" class="lp-dtp-legend">{LEGEND[kind]}</text>')
+        x += 26 + 6.2 * len(LEGEND[kind])
+    labels = dict((c, label) for c, label, _ in MODES)
+    short = {"delayed": "delayed", "wait_now": "wait now"}
+    for j, (run, rank) in enumerate(rows):
+        y = top + j * (row_h + gap)
+        cols, n = rank["steps"], len(rank["steps"]["ms"])
+        ms = sum(cols["ms"])
+        out.append(f'<g class="lp-dtp-row" data-mode="{_esc(run.collectives)}" data-rank="{rank["rank"]}" '
+                   f'data-steps="{n}" data-ms="{ms:.3f}">')
+        out.append(f'<text x="{label_w - 8}" y="{y + 14}" text-anchor="end" class="lp-dtp-label">'
+                   f'{_esc(short.get(run.collectives, run.collectives))} · rank {rank["rank"]}</text>')
+        x = float(label_w)
+        for i in range(n):
+            step = rank["first_step"] + i + 1
+            segs = _segments(cols, i)
+            tip = (f"{labels.get(run.collectives)} · rank {rank['rank']} · decode step {step}: "
+                   f"{cols['ms'][i]:.2f} ms — compute {cols['compute_ms'][i]:.2f} ms, "
+                   f"{cols['issued'][i]} collectives issued ({cols['issue_ms'][i]:.2f} ms), "
+                   f"waited {cols['waited_ms'][i]:.2f} ms, exposed {cols['exposed_ms'][i]:.2f} ms, "
+                   f"blocking {cols['blocking_ms'][i]:.2f} ms")
+            out.append(f'<g class="lp-dtp-step" data-step="{step}"><title>{_esc(tip)}</title>')
+            sx = x
+            for kind, v in segs:
+                w = v * scale
+                if w > 0.05:
+                    out.append(f'<rect x="{sx:.2f}" y="{y}" width="{w:.2f}" height="{row_h}" fill="{COLORS[kind]}" '
+                               f'data-kind="{kind}"/>')
+                sx += w
+            x += cols["ms"][i] * scale
+            out.append(f'<line x1="{x:.2f}" x2="{x:.2f}" y1="{y}" y2="{y + row_h}" class="lp-dtp-sep"/></g>')
+        out.append(f'<text x="{x + 6:.2f}" y="{y + 14}" class="lp-dtp-total">{ms:.1f} ms</text></g>')
+    first = rows[0][1]
+    out.append(f'<text x="{label_w}" y="{height - 4}" class="lp-dtp-axis">decode steps {first["first_step"] + 1}–'
+               f'{first["decode_steps"]} of each run, left to right on one time axis (hover a step for its '
+               f'numbers)</text></svg>')
+    return "".join(out)
+
+
+# ---- the table ----------------------------------------------------------------------------------------
+
+def table_html(runs: list[Run]) -> str:
+    """Per mode: ms/token and tokens/s (the engine's timing), and per rank the per-token exposed, waited and
+    blocking ms from its timeline; under it the share of communication hidden by the delay."""
+    by_mode = {r.collectives: r for r in runs}
+    world = max((len((r.timeline or {}).get("ranks") or []) for r in runs), default=0)
+    if not world:
+        return ('<table id="dtp-table" class="lp-dtp-table" data-modes="0"><tr><td class="lp-muted">'
+                'Press A/B to measure both modes.</td></tr></table>')
+    ms = {m: (by_mode[m].timing or {}).get("ms_per_token") if m in by_mode else None for m, _, _ in MODES}
+    share = hidden_share(*(by_mode[m].timeline if m in by_mode else None for m, _, _ in MODES))
+    attrs = {"data-modes": str(len(runs)), "data-world-size": str(world),
+             "data-ms-delayed": _f(ms["delayed"], ".3f"), "data-ms-wait": _f(ms["wait_now"], ".3f"),
+             "data-hidden-share": _f(share, ".4f")}
+    head = "".join(f'<th colspan="3">rank {r} · ms per token</th>' for r in range(world))
+    sub = "".join('<th title="wait-now waits">exposed</th><th title="waits on delayed collectives">waited</th>'
+                  '<th title="early layers, final aggregation, token gather">blocking</th>' for _ in range(world))
+    body = []
+    for m, label, _ in MODES:
+        run = by_mode.get(m)
+        if run is None:
+            continue
+        t = run.timing or {}
+        cells = []
+        for rank in (run.timeline or {}).get("ranks") or []:
+            p = per_token(rank)
+            cells += [f'<td data-rank="{rank["rank"]}" data-kind="{k}">{_f(p.get(k + "_ms"), ".2f")}</td>'
+                      for k in ("exposed", "waited", "blocking")]
+        body.append(f'<tr data-mode="{m}" data-ms-per-token="{_f(t.get("ms_per_token"), ".3f")}" '
+                    f'data-tps="{_f(t.get("decode_tokens_per_second"), ".2f")}" '
+                    f'data-exposed-comm-ms="{_f(exposed_comm_ms(run.timeline), ".3f")}">'
+                    f'<th>{_esc(label)}</th><td>{_f(t.get("ms_per_token"), ".2f") or "–"}</td>'
+                    f'<td>{_f(t.get("decode_tokens_per_second"), ".1f") or "–"}</td>{"".join(cells)}</tr>')
+    a = " ".join(f'{k}="{_esc(v)}"' for k, v in attrs.items())
+    if share is None:
+        summary = "Run both modes to see how much of the communication the delay hides."
+    else:
+        speed = (f" Wait-now takes {ms['wait_now'] / ms['delayed']:.2f}× delayed's time per token."
+                 if ms["delayed"] and ms["wait_now"] else "")
+        summary = (f"Communication hidden by the delay: <b>{max(share, 0.0):.0%}</b> (1 − delayed's exposed waits / "
+                   f"wait-now's, per token, mean of the ranks).{speed}")
+    return (f'<div class="lp-dtp-table-wrap"><table id="dtp-table" class="lp-dtp-table" {a}><thead>'
+            f'<tr><th rowspan="2">collectives</th><th rowspan="2">ms/token</th><th rowspan="2">tokens/s</th>{head}</tr>'
+            f'<tr>{sub}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+            f'<div class="lp-dtp-summary">{summary}</div></div>')
+
+
+# ---- the prediction -----------------------------------------------------------------------------------
+
+def model_config(raw: dict | None):
+    """The engine's /health `model_config` (its ModelConfig as a dict) back into a ModelConfig, re-split as
+    standard TP for Llama models; None when absent or unreadable."""
+    if not isinstance(raw, dict):
+        return None
+    try:
+        from laneplay.engine.config import ModelConfig, RopeScaling
+
+        names = {f.name for f in fields(ModelConfig)}
+        vals = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k in names}
+        if isinstance(vals.get("rope_scaling"), dict):
+            vals["rope_scaling"] = RopeScaling(**vals["rope_scaling"])
+        cfg = ModelConfig(**vals)
+        return replace(cfg, num_lanes=1) if cfg.arch == "llama" else cfg  # the engine's split is not the node's
+    except Exception:  # noqa: BLE001 - an engine of another version: fall back to Laneformer 2B
+        return None
+
+
+def prediction(raw_config: dict | None, model_name: str | None) -> dict:
+    """The performance model for 8×H200: for the served model when it splits over 8 GPUs, else for
+    Laneformer 2B. {"available": False, "why"} without the model."""
+    try:
+        from laneplay.bench.perfmodel import node_preset, predict
+    except ImportError as e:
+        return {"available": False, "why": f"performance model not available ({e})"}
+    node = node_preset(NODE)
+    cfg, why = model_config(raw_config), ""
+    if cfg is not None:
+        try:
+            p = predict(cfg, node)
+            return {"available": True, "for": "engine", "model": model_name or cfg.name or "this model", "p": p}
+        except ValueError as e:  # e.g. PerfModelError: the model does not split over 8 GPUs
+            why = str(e)
+    else:
+        why = "the engine did not say its model's shapes"
+    p = predict(None, node)
+    return {"available": True, "for": "laneformer-2b", "model": "Laneformer 2B", "p": p, "why": why,
+            "engine_model": model_name}
+
+
+def prediction_html(pred: dict) -> str:
+    if not pred.get("available"):
+        return (f'<div id="dtp-prediction" class="lp-dtp-prediction" data-available="0">'
+                f'{_esc(pred.get("why") or "performance model not available")}</div>')
+    p = pred["p"]
+    attrs = {"data-available": "1", "data-for": pred["for"], "data-model": pred["model"], "data-node": NODE,
+             "data-tps-dtp": f"{p.tokens_per_s_dtp:.1f}", "data-tps-tp": f"{p.tokens_per_s_tp:.1f}",
+             "data-hidden-share": f"{p.hidden_share:.4f}"}
+    a = " ".join(f'{k}="{_esc(v)}"' for k, v in attrs.items())
+    who = "this model" if pred["for"] == "engine" else "Laneformer 2B"
+    line = (f"On 8×H200 {who} would decode at ≈ <b>{p.tokens_per_s_dtp:,.0f} tokens/s with DTP</b> "
+            f"({p.tokens_per_s_tp:,.0f} with standard TP); DTP hides <b>{p.hidden_share:.0%}</b> of communication.")
+    if pred["for"] == "engine":
+        note = f"Estimate for the served model, {_esc(pred['model'])}"
+    else:
+        engine_model = pred.get("engine_model")
+        served = f"the served model ({_esc(engine_model)}) " if engine_model else ""
+        note = f"Estimate for Laneformer 2B (spec config), not {served or 'the served model'}: {_esc(pred['why'])}"
+    return (f'<div id="dtp-prediction" class="lp-dtp-prediction" {a}><div class="lp-dtp-pred-line">{line}</div>'
+            f'<div class="lp-muted">{note}, batch 1 at position {p.position}, from the performance model '
+            f'(<code>laneplay perfmodel</code>): a paper model, not a measurement.</div></div>')
+
+
+# ---- the tab ------------------------------------------------------------------------------------------
+
+def _idle_meters(ctx: AppContext) -> list[str]:
+    info = ctx.engine.info or {}
+    state = "idle" if ctx.engine.ready else "loading"
+    return [render(MeterData(state=state, device=info.get("device"), world_size=info.get("world_size"),
+                             note=label), elem_id, compact=True, resting=True) for _, label, elem_id in MODES]
+
+
+async def _stream(ctx: AppContext, run: Run, body: dict, chat: bool):
+    """One mode's stream into `run`; yields whenever the page should update (deltas at most 10 times a second)."""
+    events: asyncio.Queue = asyncio.Queue()
+    reader = asyncio.create_task(playground.stream_to(ctx, body, chat, events.put))
+    run.timer, run.meter.state = StreamTimer(), "queued"
+    last_push = 0.0
+    try:
+        while (ev := await events.get()) is not None:
+            if isinstance(ev, EngineError):
+                raise ev
+            m = run.meter
+            if ev.kind == "queued":
+                m.state, m.note = "queued", f"position {ev.position} in the engine's queue"
+            elif ev.kind == "running":
+                m.state, m.note = "running", "prefill"
+            elif ev.kind == "delta":
+                c = run.timer.on_delta(ev.index, ev.text, (ev.timing or {}).get("finish_reason"))
+                run.text += ev.text
+                m.state, m.note = "running", ""
+                m.tokens, m.tps, m.ttft_ms, m.ms_per_token, m.latencies_ms = \
+                    c.tokens, c.decode_tps, c.ttft_ms, c.ms_per_token, c.latencies_ms
+            elif ev.kind == "done":
+                run.timing = ev.timing
+            m.elapsed_ms = run.timer.elapsed_ms()
+            now = time.monotonic()
+            if ev.kind != "delta" or now - last_push >= playground.UPDATE_EVERY_S:
+                last_push = now
+                yield
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+
+
+def _finish(run: Run) -> None:
+    t = run.timing or {}
+    per_choice = (t.get("per_choice") or [{}])[0]
+    m = run.meter
+    if per_choice:
+        m.ttft_ms = per_choice.get("ttft_ms", m.ttft_ms)
+        m.tps = per_choice.get("decode_tokens_per_second", m.tps)
+        m.ms_per_token = per_choice.get("ms_per_token", m.ms_per_token)
+        m.tokens = per_choice.get("completion_tokens") or m.tokens
+        m.source = "server"
+    m.device, m.world_size = t.get("device", m.device), t.get("world_size", m.world_size)
+    m.state = "done"
+    m.note = f"{dict((c, label) for c, label, _ in MODES)[run.collectives]} · finish: " \
+             f"{per_choice.get('finish_reason') or 'stop'}"
+    m.elapsed_ms = run.timer.elapsed_ms() if run.timer else m.elapsed_ms
+
+
+def build(ctx: AppContext, pg: dict) -> dict:
+    """The tab's components and events. `pg`: the Playground's components (its editor, instruction and mode
+    are the prompt). Returns what web.py wires to the tab's select."""
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=3):
+            status = gr.HTML(status_html(ctx), elem_id="dtp-status-box")
+            with gr.Row():
+                ab = gr.Button("A/B: delayed vs wait-now", variant="primary", elem_id="dtp-ab", min_width=200,
+                               scale=2)
+                max_tokens = gr.Number(DEFAULT_MAX_TOKENS, label="Max tokens (greedy)", precision=0,
+                                       elem_id="dtp-max-tokens", min_width=120, scale=1, interactive=True)
+        with gr.Column(scale=2, min_width=320):
+            pred = gr.HTML(prediction_html({"available": False, "why": "The prediction shows when the engine is "
+                                                                     "ready."}), elem_id="dtp-prediction-box")
+    error = gr.HTML(playground.error_html("", "dtp-error"), elem_id="dtp-error-box")
+    with gr.Row(equal_height=False):
+        meters = [gr.HTML(m, elem_id=f"{elem_id}-box") for m, (_, _, elem_id) in zip(_idle_meters(ctx), MODES)]
+    timeline = gr.HTML(timeline_svg([]), elem_id="dtp-timeline-box")
+    table = gr.HTML(table_html([]), elem_id="dtp-table-box")
+
+    def frame(runs: list[Run], problem: str = "", done: bool = False, fresh: bool = False):
+        """One page update: both meters, the error line, and (fresh: empty; at the end: this A/B's) the
+        timeline and table; the button is off while an A/B runs."""
+        ms = [render(r.meter, elem_id, compact=True) for r, (_, _, elem_id) in zip(runs, MODES)]
+        end = bool(done or problem)
+        return (*ms, playground.error_html(problem, "dtp-error"),
+                timeline_svg(runs) if end or fresh else gr.update(), table_html(runs) if end or fresh else gr.update(),
+                gr.update(interactive=availability(ctx)[0] is not False) if end else gr.update(interactive=False))
+
+    async def run_ab(code_text, instruction_text, mode_value, mt):
+        runs = [Run(c) for c, _, _ in MODES]
+        for r, (_, label, _) in zip(runs, MODES):
+            r.meter.note = label
+        try:
+            code_text, instruction_text = check_texts(code_text, instruction_text, mode_value)
+            n = sampling(0.0, 1.0, 0, mt, None, None)["max_tokens"]
+            if n > MAX_AB_TOKENS:
+                raise InputError(f"Max tokens must be at most {MAX_AB_TOKENS} for an A/B (got {n}).")
+        except InputError as e:
+            yield frame(runs, str(e))
+            return
+        waited = time.monotonic()
+        while not ctx.engine.ready:  # a loading engine: wait, saying so
+            if time.monotonic() - waited > playground.ENGINE_WAIT_S:
+                yield frame(runs, f"The engine is not ready ({ctx.engine.state}: {ctx.engine.detail}).")
+                return
+            for r in runs:
+                r.meter.state, r.meter.note = "loading", f"{ctx.engine.state}: {ctx.engine.detail}"
+            yield frame(runs)
+            await asyncio.sleep(0.5)
+        ok, message = availability(ctx)
+        if not ok:
+            yield frame(runs, message)
+            return
+        info = ctx.engine.info or {}
+        for r in runs:
+            r.meter = MeterData(state="queued", device=info.get("device"), world_size=info.get("world_size"),
+                                note=r.meter.note)
+        yield frame(runs, fresh=True)
+        for r, (collectives, body, chat) in zip(runs, ab_requests(mode_value, code_text, instruction_text, n)):
+            try:
+                async with aclosing(_stream(ctx, r, body, chat)) as updates:
+                    async for _ in updates:
+                        yield frame(runs)
+            except EngineError as e:
+                r.meter.state, r.meter.note = "error", ""
+                yield frame(runs, e.message)
+                return
+            _finish(r)
+            if r.timeline is None:
+                yield frame(runs, "The engine sent no timeline: it is not a Laneplay DTP engine of this version.")
+                return
+            yield frame(runs)
+        yield frame(runs, done=True)
+
+    ab.click(run_ab, [pg["code"], pg["instruction"], pg["mode"], max_tokens],
+             [*meters, error, timeline, table, ab], concurrency_limit=None, api_name="dtp_ab",
+             show_progress="hidden", trigger_mode="once")
+
+    async def refresh():
+        """On selecting the tab: what the engine allows, the button, the prediction, resting meters."""
+        ok, _ = availability(ctx)
+        raw, name = None, (ctx.engine.info or {}).get("model")
+        if ctx.engine.ready and (ctx.engine.info or {}).get("laneplay", True):
+            try:
+                raw = (await ctx.client().health()).get("model_config")
+            except Exception:  # noqa: BLE001 - the prediction then falls back to Laneformer 2B
+                raw = None
+        if ctx.engine.ready:
+            prediction_box = prediction_html(await asyncio.to_thread(prediction, raw, name))
+        else:
+            prediction_box = gr.update()
+        return status_html(ctx), gr.update(interactive=ok is not False), prediction_box
+
+    return {"refresh": refresh, "refresh_outputs": [status, ab, pred], "ab": ab}

@@ -1,0 +1,66 @@
+"""`laneplay bench --quick` end to end: it runs in CI's time and writes JSON of the documented shape (the
+numbers' speed is never checked here); a busy machine is refused before anything is loaded."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from laneplay.bench import common, decode
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+@pytest.mark.slow
+def test_quick_bench_writes_every_table_as_json(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "laneplay", "bench", "--quick", "--allow-noisy", "--peers",
+                           "transformers,llama.cpp", "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert {p.name for p in tmp_path.glob("*.json")} == {"decode-cpu.json", "dtp-cpu.json", "prefill-cpu.json"}
+    for path in tmp_path.glob("*.json"):
+        d = json.loads(path.read_text())
+        assert d["schema"] == 2 and isinstance(d["noisy"], bool) and len(d["quiet"]) == 2, path.name
+        assert {"cpu", "cores", "torch", "threads"} <= set(d["machine"]) and d["when"]
+        assert d["rows"], path.name
+    dec = json.loads((tmp_path / "decode-cpu.json").read_text())
+    engines = {(r["engine"], r["prompt"]) for r in dec["rows"]}
+    assert engines == {(e, p) for e in ("ours (eager)", "transformers (eager)") for p in ("short", "512")} or \
+        engines == {(e, p) for e in ("ours (eager)", "transformers (eager)", "llama.cpp (Q4_1)")
+                    for p in ("short", "512")}
+    for r in dec["rows"]:
+        assert all(_positive(r[k]) for k in ("ttft_ms", "decode_tps", "ms_per_token", "gbps", "roofline_frac",
+                                             "bytes_per_token")), r
+        assert r["new"] == 16 and (r["prompt"] == "short" or r["prompt_tokens"] == 512)
+        assert _positive(r["vs_transformers"])
+    if not any(e.startswith("llama.cpp") for e, _ in engines):  # not installed: said so, not silently dropped
+        assert any("llama.cpp peer skipped" in n for n in dec["notes"]) and "llama.cpp peer skipped" in proc.stdout
+    assert [b["n"] for b in dec["batched"]] == [1, 2, 4]
+    assert all(_positive(b["per_sample_tps"]) and _positive(b["aggregate_tps"]) for b in dec["batched"])
+    assert _positive(dec["bandwidth"]["read_gbps"])
+    dtp = json.loads((tmp_path / "dtp-cpu.json").read_text())
+    assert [r["world"] for r in dtp["rows"]] == [1, 2, 2, 2] and all(_positive(r["ms_per_token"]) for r in dtp["rows"])
+    pre = json.loads((tmp_path / "prefill-cpu.json").read_text())
+    assert {r["prompt"] for r in pre["rows"]} == {512}
+    assert all(_positive(r["ttft_ms"]) and _positive(r["prompt_tps"]) for r in pre["rows"])
+
+
+def test_a_busy_machine_is_refused_before_anything_loads(monkeypatch, capsys):
+    monkeypatch.setattr(common, "other_busy_cores", lambda seconds=1.5: 1.7)
+    monkeypatch.setattr(decode, "check_quiet", common.check_quiet)
+    with pytest.raises(SystemExit) as e:
+        decode.main(["--rounds", "1"])
+    assert e.value.code == 3
+    assert "REFUSING" in capsys.readouterr().err
+
+
+def test_a_busy_machine_with_allow_noisy_is_flagged(monkeypatch, capsys):
+    monkeypatch.setattr(common, "other_busy_cores", lambda seconds=1.5: 1.2)
+    record = common.check_quiet(True)
+    assert record["quiet"] is False and record["other_busy_cores"] == 1.2
+    assert "NOISY" in capsys.readouterr().err
+    monkeypatch.setattr(common, "other_busy_cores", lambda seconds=1.5: 0.02)
+    assert common.check_quiet(False)["quiet"] is True
