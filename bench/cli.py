@@ -15,7 +15,7 @@ BENCHMARKS = {
     "prefill": "laneplay.bench.prefill",  # long prompts: TTFT and prompt tokens/s vs transformers
 }
 QUICK = {"decode": ["--rounds", "1", "--new-tokens", "16", "--ours", "eager", "--half", "", "--samples", "2,4",
-                    "--prompts", "short,512"],
+                    "--prompts", "short,512", "--bandwidth-gib", "0.25"],
          "dtp": ["--rounds", "1", "--tokens", "8", "--width", "128"],
          "prefill": ["--rounds", "1", "--lengths", "512"]}
 

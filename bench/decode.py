@@ -172,6 +172,7 @@ def main(argv=None) -> int:
                    help="extra dtypes to run our compiled engine in ('' for none); the peers stay as they are")
     p.add_argument("--samples", default="2,4,8,16", help="batched samples n to time against batch 1 ('' for none)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--bandwidth-gib", type=float, default=1.0, help="size of the bandwidth probe (DRAM: >= 0.25)")
     p.add_argument("--allow-noisy", action="store_true", help="report on a busy machine (numbers flagged noisy)")
     p.add_argument("--out", default=None, help="folder for the JSON (default: bench/results)")
     args = p.parse_args(argv)
@@ -214,7 +215,7 @@ def main(argv=None) -> int:
         print(why)
         if llm is not None:
             contenders["llama.cpp (Q4_1)"] = lambda ids, k: llamacpp_run(llm, ids, k)
-    bw = measure_bandwidth()
+    bw = measure_bandwidth(args.bandwidth_gib)
     runs = {(name, pname): [] for pname in prompts for name in contenders}
     for pname, ids in prompts.items():
         for fn in contenders.values():
@@ -225,7 +226,7 @@ def main(argv=None) -> int:
                 runs[(name, pname)].append(fn(ids, args.new_tokens))
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k[0]} @{k[1]} {v[-1]['decode_tps']:.1f}"
                                                            for k, v in runs.items() if v))
-    bw_after = measure_bandwidth()
+    bw_after = measure_bandwidth(args.bandwidth_gib)
     quiet.append(check_quiet(True, "after"))
     base = ours.get("ours (compiled)") or first
     matvec_tps = {f"{name}": matvec_only_tps(e) for name, e in ours.items() if "eager" not in name}

@@ -16,9 +16,10 @@ def _positive(x) -> bool:
 
 @pytest.mark.slow
 def test_quick_bench_writes_every_table_as_json(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "laneplay", "bench", "--quick", "--allow-noisy", "--peers",
+    # -P and another cwd: the repository's folders must not shadow installed packages (HF's `kernels`)
+    proc = subprocess.run([sys.executable, "-P", "-m", "laneplay", "bench", "--quick", "--allow-noisy", "--peers",
                            "transformers,llama.cpp", "--out", str(tmp_path)], capture_output=True, text=True,
-                          timeout=600)
+                          timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert {p.name for p in tmp_path.glob("*.json")} == {"decode-cpu.json", "dtp-cpu.json", "prefill-cpu.json"}
     for path in tmp_path.glob("*.json"):

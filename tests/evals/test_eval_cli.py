@@ -246,7 +246,7 @@ def test_engine_url(mode, served, tmp_path, db_url, monkeypatch, capsys, sandbox
     assert ("messages" in sampled) == (mode == "instruct") and ("stop" in sampled) == (mode == "base")
     printed = printed_numbers(captured.out)
     assert printed == {"pass@1": 0.5, "pass@2": 1.0, "greedy pass@1": 1.0}
-    c = check_stored(db_url, comparison_id_of(captured.out), printed, n=2, problems=2)
+    c = check_stored(db_url, comparison_id_of(captured.out), printed, n=2, problems=3)
     assert c["model"] == "fake-served"
     assert [(r["completion_tokens"], r["generation_ms"]) for r in c["results"][:3]] == \
         [(30, 40.0), (30, 40.0), (31, 80.0)]
