@@ -65,3 +65,19 @@ def test_a_busy_machine_with_allow_noisy_is_flagged(monkeypatch, capsys):
     assert "NOISY" in capsys.readouterr().err
     monkeypatch.setattr(common, "other_busy_cores", lambda seconds=1.5: 0.02)
     assert common.check_quiet(False)["quiet"] is True
+
+
+def test_the_readme_tables_are_generated_from_the_json(tmp_path):
+    from laneplay.bench.report import report
+
+    assert report(tmp_path) == "No results yet: run `make bench`."
+    row = {"engine": "llama.cpp (Q4_1)", "prompt": "short", "prompt_tokens": 42, "ttft_ms": 182.0, "decode_tps": 91.3,
+           "ms_per_token": 11.0, "roofline_frac": 0.34, "vs_transformers": 6.71, "vs_llama_cpp": 1.0}
+    (tmp_path / "decode-cpu.json").write_text(json.dumps({"when": "2026-12-04T16:00:00", "noisy": True, "rows": [row],
+                                                         "machine": {"cpu": "x", "cores": 2, "torch": "2"},
+                                                         "bandwidth": {"read_gbps": 26.7},
+                                                         "batched": [{"engine": "n=4", "per_sample_tps": 7.5,
+                                                                      "aggregate_tps": 30.1, "step_cost_vs_n1": 2.55}]}))
+    text = report(tmp_path)
+    assert "| llama.cpp (Q4_1) | 42 | 182 | 91.3 | 11.0 | 34% | 6.71 | 1.00 |" in text
+    assert "| n=4 | 7.5 | 30.1 | 2.55 |" in text and "flagged noisy" in text and "26.7 GB/s" in text

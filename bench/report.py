@@ -1,0 +1,70 @@
+"""The README's results tables, generated from bench/results/*.json (what the last runs measured).
+
+    python -m laneplay.bench.report [--results DIR]
+
+Prints Markdown: the decode table (ours vs transformers vs llama.cpp at each prompt length), batched
+samples, and the DTP A/B, each with the machine, date and whether the run was flagged noisy.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from laneplay.bench.common import RESULTS
+
+
+def _f(x, fmt: str) -> str:
+    return "–" if x is None else format(x, fmt)
+
+
+def _head(d: dict) -> str:
+    m = d.get("machine") or {}
+    flag = " **(flagged noisy)**" if d.get("noisy") else ""
+    return f"{(d.get('when') or '')[:10]}, {m.get('cpu') or '?'} × {m.get('cores') or '?'} cores, torch {m.get('torch')}{flag}"
+
+
+def decode_tables(d: dict) -> str:
+    bw = (d.get("bandwidth") or {}).get("read_gbps")
+    lines = [f"Decode, batch 1, greedy, {_head(d)}; read bandwidth {_f(bw, '.1f')} GB/s measured in the same run.", "",
+             "| engine | prompt tokens | TTFT ms | decode tok/s | ms/token | share of roofline | vs transformers "
+             "| vs llama.cpp |", "|---|---|---|---|---|---|---|---|"]
+    for r in d.get("rows") or []:
+        lines.append(f"| {r['engine']} | {r.get('prompt_tokens', r.get('prompt'))} | {_f(r.get('ttft_ms'), '.0f')} | "
+                     f"{_f(r.get('decode_tps'), '.1f')} | {_f(r.get('ms_per_token'), '.1f')} | "
+                     f"{_f(r.get('roofline_frac'), '.0%')} | {_f(r.get('vs_transformers'), '.2f')} | "
+                     f"{_f(r.get('vs_llama_cpp'), '.2f')} |")
+    if d.get("batched"):
+        lines += ["", "| samples in one batch | tok/s per sample | aggregate tok/s | step time vs n=1 |",
+                  "|---|---|---|---|"]
+        lines += [f"| {b['engine']} | {_f(b.get('per_sample_tps'), '.1f')} | {_f(b.get('aggregate_tps'), '.1f')} | "
+                  f"{_f(b.get('step_cost_vs_n1'), '.2f')} |" for b in d["batched"]]
+    return "\n".join(lines)
+
+
+def dtp_table(d: dict) -> str:
+    lines = [f"DTP A/B, {_head(d)}: {d.get('note', '')}", "",
+             "| mode | ranks | ms/token | tok/s | delayed-wait ms/token | wait-now ms/token |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['mode']} | {r['world']} | {_f(r.get('ms_per_token'), '.1f')} | {_f(r.get('decode_tps'), '.1f')} | "
+              f"{_f(r.get('wait_ms'), '.2f')} | {_f(r.get('exposed_ms'), '.2f')} |" for r in d.get("rows") or []]
+    return "\n".join(lines)
+
+
+def report(folder: Path = RESULTS) -> str:
+    parts = []
+    for name, render in (("decode-cpu.json", decode_tables), ("dtp-cpu.json", dtp_table)):
+        path = Path(folder) / name
+        if path.is_file():
+            parts.append(render(json.loads(path.read_text())))
+    return "\n\n".join(parts) or "No results yet: run `make bench`."
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--results", default=str(RESULTS))
+    print(report(Path(p.parse_args(argv).results)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
