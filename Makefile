@@ -1,5 +1,5 @@
 # Laneplay: `make run` serves the product, `make test` runs the whole suite.
-# Both bootstrap .venv from nothing, installing exactly the locked set in requirements.txt;
+# Both bootstrap .venv from nothing, installing exactly the locked set in requirements.lock;
 # system packages are installed with apt-get when missing.
 
 PYTHON ?= python3
@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 UV     := $(VENV)/bin/uv
 STAMP  := $(VENV)/.laneplay-installed
-LOCK   := requirements.txt
+LOCK   := requirements.lock
 UV_VERSION := 0.13.9
 
 # The lock is resolved for the CPU path: torch's local CPU build (a plain `torch` from the index is a
@@ -32,7 +32,7 @@ help:
 	@echo "make test  - run the whole test suite"
 	@echo "make bench - run the benchmarks (tables + JSON in bench/results/)"
 	@echo "make bench-peers - build the optional llama.cpp peer for make bench (a few minutes)"
-	@echo "make lock  - re-resolve requirements.txt from pyproject.toml (newest versions allowed)"
+	@echo "make lock  - re-resolve requirements.lock from pyproject.toml (newest versions allowed)"
 
 venv: $(STAMP)
 
@@ -106,7 +106,7 @@ LLAMA_CMAKE := $(if $(HAVE_AVX512),-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=O
   -DGGML_AVX512_BF16=ON,-DGGML_NATIVE=ON) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 bench-peers: venv
 	CMAKE_ARGS="$(LLAMA_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(UV_ENV) $(UV) pip install --no-deps \
-	  --no-binary llama-cpp-python "llama-cpp-python==$(LLAMA_CPP_VERSION)" diskcache
+	  --no-binary llama-cpp-python "llama-cpp-python==$(LLAMA_CPP_VERSION)" "diskcache==5.6.3"
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from laneplay.app.checks import SandboxMissing, check_code, sandbox_status
 from laneplay.app.client import EngineClient, EngineError, StreamTimer
 from laneplay.evals.passk import KS, count_statuses, mean_pass_at_ks
+from laneplay.evals.engine_generate import REMOTE_STOP_LIMIT
 from laneplay.evals.problems import Problem
 from laneplay.evals.prompting import (STOP_SEQUENCES, chat_messages, completion_prompt, extract_code,
                                       extract_completion)
@@ -32,7 +33,6 @@ MAX_RUN_PROBLEMS = 40  # one run; HumanEval has 164 (a full sweep is `laneplay e
 CALIBRATION_TOKENS = 16
 ENGINE_WAIT_S = 600.0
 BUSY_RETRIES = 20
-REMOTE_STOP_LIMIT = 4  # OpenAI-compatible servers take at most 4 stop strings
 
 
 class Busy(Exception):
