@@ -20,9 +20,10 @@ DTP_OPTIONS = ("wait_now", "timeline", "timeout_s")
 def load_engine(model: str | os.PathLike = "smollm2-135m-instruct", device: str | None = "cpu",
                 dtype="float32", world_size: int = 1, compile=False, threads: int | None = None,
                 kv_budget_gb: float | None = None, prefill_chunk: int = 512, progress=None,
-                **options) -> Engine:
+                graphs="auto", **options) -> Engine:
     """Load a checkpoint (HF directory, .gguf, Hub id in the local cache, or the embedded default).
 
+    graphs: "auto" (the static CUDA-graph decode step on CUDA at world size 1), True or False.
     compile: False (eager, the library default), True, or "auto" (what the command-line tools use:
     compiled on CPU at world size 1). kv_budget_gb: the most KV cache one request may reserve
     (default: a fifth of RAM on CPU, 40% of the GPU on CUDA); a request past it is refused up front.
@@ -35,7 +36,7 @@ def load_engine(model: str | os.PathLike = "smollm2-135m-instruct", device: str 
         raise TypeError(f"unknown load_engine option(s): {', '.join(unknown)}")
     if options and world_size == 1:
         raise TypeError(f"{', '.join(options)} only apply with world_size > 1")
-    runtime = make_runtime(device, dtype, world_size, compile, threads, kv_budget_gb, prefill_chunk)
+    runtime = make_runtime(device, dtype, world_size, compile, threads, kv_budget_gb, prefill_chunk, graphs)
     progress = progress or (lambda stage: None)
     path = resolve_checkpoint(model)
     progress("loading")

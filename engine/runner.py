@@ -28,8 +28,17 @@ class LocalRunner:
         self.device = model.device
         self.world_size = runtime.world_size
         self.cache = None
+        self.static = None  # the static (CUDA-graph) decode step, when the runtime asks for it
+        self._static_now = False  # whether the current request decodes through it
+        if runtime.graphs:
+            from laneplay.engine.static_step import StaticDecoder
+
+            self.static = StaticDecoder(model, graphs=model.device.type == "cuda",
+                                        kv_budget_bytes=runtime.kv_budget_bytes)
         if runtime.compile:
             self.compile()
+        elif self.static is not None:
+            self.warm_up()  # captures the batch-1 and batch-2 graphs now, never inside a request
 
     # -- the runner protocol of token_steps --
     @torch.inference_mode()
@@ -37,13 +46,20 @@ class LocalRunner:
         """Prompt at batch 1 into a fresh cache, copied to n samples; last-token logits [n, V] (a shard on a
         rank), or None when `should_stop()` ended it between chunks."""
         logits, self.cache = self.model.prefill(ids, n, max_seq_len, should_stop, chunk=self.runtime.prefill_chunk)
+        self._static_now = self.cache is not None and self.static is not None and self.static.fits(n, max_seq_len)
+        if self._static_now:
+            self.static.load(self.cache)
+            self.cache = None
         return logits
 
     @torch.inference_mode()
     def decode_step(self, tokens: Tensor, pos: int) -> Tensor:
         """One token per sample at position pos: tokens [n, 1] -> logits [n, V] (a shard on a rank)."""
         t0 = time.perf_counter()
-        out = self.model.decode(tokens, pos, self.cache)
+        if self._static_now:
+            out = self.static.step(tokens, pos)
+        else:
+            out = self.model.decode(tokens, pos, self.cache)
         self.comm.note_step(t0, time.perf_counter())
         return out
 
@@ -83,4 +99,4 @@ class LocalRunner:
         self.cache = None
 
     def close(self) -> None:
-        self.model = self.cache = None
+        self.model = self.cache = self.static = None

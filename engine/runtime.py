@@ -51,6 +51,7 @@ class Runtime:
     compile: bool = False  # compile the per-token decode blocks (paid at load, never inside a request)
     kv_budget_bytes: int = 0  # the most KV cache one request may reserve (0: no limit)
     prefill_chunk: int = 512  # prompt tokens per prefill step (bounds attention memory and how long a stop waits)
+    graphs: bool = False  # decode through the static step (`engine.static_step`): one CUDA graph per batch size
 
     @property
     def torch_device(self) -> torch.device:
@@ -87,12 +88,14 @@ def default_kv_budget(dev: torch.device) -> int:
 
 def make_runtime(device: str | torch.device | None = "cpu", dtype="float32", world_size: int = 1,
                  compile="auto", threads: int | None = None, kv_budget_gb: float | None = None,
-                 prefill_chunk: int = 512) -> Runtime:
+                 prefill_chunk: int = 512, graphs="auto") -> Runtime:
     """Validate and resolve the caller's choices into one Runtime.
 
     compile: True / False, or "auto": compiled on CPU at world size 1, where per-op overhead dominates;
     under DTP "auto" runs eagerly (the ranks share the cores, and each would pay the compile), while an
     explicit `compile=True` is honoured by every rank.
+    graphs: True / False, or "auto": the static CUDA-graph decode step on CUDA at world size 1 (True on
+    the CPU runs the same static step eagerly; DTP ranks always decode eagerly).
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
@@ -116,7 +119,14 @@ def make_runtime(device: str | torch.device | None = "cpu", dtype="float32", wor
         raise ValueError(f"kv_budget_gb must be a positive number of GiB, got {kv_budget_gb!r}")
     if not isinstance(prefill_chunk, int) or isinstance(prefill_chunk, bool) or prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
+    if graphs not in (True, False, "auto"):
+        raise ValueError(f"graphs must be True, False or 'auto', got {graphs!r}")
+    if graphs == "auto":
+        graphs = dev.type == "cuda" and world_size == 1
+    if graphs and world_size > 1:
+        raise ValueError("the static decode step (graphs) runs at world size 1; DTP ranks decode eagerly")
     name = next(k for k, v in DTYPES.items() if v == dt and "fp" not in k and k != "bf16")
     backend = ("nccl" if dev.type == "cuda" else "gloo") if world_size > 1 else None
     return Runtime(device=str(dev), dtype=name, world_size=world_size, backend=backend, threads=threads,
-                   compile=bool(compile), kv_budget_bytes=kv_budget, prefill_chunk=prefill_chunk)
+                   compile=bool(compile), kv_budget_bytes=kv_budget, prefill_chunk=prefill_chunk,
+                   graphs=bool(graphs))

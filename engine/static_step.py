@@ -1,0 +1,277 @@
+"""The CUDA decode step: static buffers, the position on the device, one CUDA graph per batch size.
+
+`StaticDecoder` runs the same function as `LaneModel.decode` (spec §1.4-§1.8, all lanes in this
+process) through the kernels of `laneplay.kernels` over buffers whose addresses never change: a KV
+cache of fixed capacity per batch size, the token ids and the position as device tensors (attention
+masks slots by the position it reads there, so nothing in the step depends on a host value). On CUDA
+the whole step is captured once per batch size and each token is one graph replay; the only host
+synchronisation per token is the caller reading the sampled ids. On the CPU the same step runs
+eagerly through the torch references (what the tests compare against `LaneModel.decode`).
+
+The lane linears are cuBLAS's batched GEMM unless `tune_gemv` measured the Triton lane GEMV faster for
+a weight shape on this GPU. DTP ranks keep `LaneModel.decode` (their collectives are not captured).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from laneplay.engine.config import NO_REDUCE, PRESENT
+from laneplay.engine.model import KVCache, LaneModel, LocalLanes, kv_cache_bytes
+from laneplay.kernels import ops
+
+
+@dataclass
+class _Batch:
+    """Everything one batch size's step reads and writes, allocated once."""
+
+    n: int
+    cache: KVCache
+    tokens: Tensor  # [n] int64
+    pos: Tensor  # [1] int64
+    h: Tensor  # [L, n, D] the lanes' residual streams
+    graph: object = None
+    logits: Tensor | None = None  # the captured step's output buffer
+    loaded: bool = field(default=False)
+
+
+class StaticDecoder:
+    """`load(cache)` after a prefill, then `step(tokens, pos)` per token (logits [n, V], float32)."""
+
+    def __init__(self, model: LaneModel, capacity: int | None = None, graphs: bool | None = None,
+                 impl: str | None = None, kv_budget_bytes: int = 0):
+        if not isinstance(model.comm, LocalLanes) or len(model.lanes) != model.cfg.num_lanes:
+            raise ValueError("the static decode step runs all lanes in one process (world size 1)")
+        self.model, self.cfg = model, model.cfg
+        self.capacity = min(capacity or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
+        self.graphs = model.device.type == "cuda" if graphs is None else bool(graphs)
+        if self.graphs and model.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.impl = impl
+        self.kv_budget_bytes = kv_budget_bytes
+        self.gemv: dict[tuple[int, ...], tuple] = {}  # weight shape -> ("triton", config) where measured faster
+        self.attention_config: tuple[int, int, int] | None = None  # the attention kernel's, where measured
+        self.batches: dict[int, _Batch] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        L, D = self.cfg.num_lanes, self.cfg.hidden_size
+        self._norm = lambda w: w.reshape(L, D) if w.dim() == 4 else w  # lane norms are stored [L, 1, 1, D]
+
+    # -- capacity -----------------------------------------------------------------------------------
+    def cache_bytes(self, n: int) -> int:
+        return kv_cache_bytes(self.cfg, self.cfg.num_lanes, n, self.capacity, self.model.dtype.itemsize)
+
+    def fits(self, n: int, positions: int) -> bool:
+        """Whether a request of n samples and `positions` positions can run here."""
+        if positions > self.capacity:
+            return False
+        held = sum(self.cache_bytes(b) for b in self.batches if b != n)
+        return not self.kv_budget_bytes or n in self.batches or held + self.cache_bytes(n) <= self.kv_budget_bytes
+
+    def _batch(self, n: int) -> _Batch:
+        b = self.batches.get(n)
+        if b is None:
+            m, cfg = self.model, self.cfg
+            b = _Batch(n=n, cache=m.new_cache(n, self.capacity),
+                       tokens=torch.zeros(n, dtype=torch.long, device=m.device),
+                       pos=torch.zeros(1, dtype=torch.long, device=m.device),
+                       h=torch.zeros(cfg.num_lanes, n, cfg.hidden_size, dtype=m.dtype, device=m.device))
+            self.batches[n] = b
+        return b
+
+    # -- the request protocol -------------------------------------------------------------------------
+    def load(self, cache: KVCache) -> None:
+        """Copy a prefilled cache (n samples) into the static cache of its batch size.
+
+        Slot layouts agree: a layer's request cache has min(W, length) or `length` slots, the static one
+        min(W, capacity) or `capacity`; when the request's ring is shorter than W it never wrapped, so
+        its slots hold positions 0.. in both.
+        """
+        if cache.max_seq_len > self.capacity:
+            raise ValueError(f"a request of {cache.max_seq_len} positions exceeds the static cache of {self.capacity}")
+        b = self._batch(cache.batch)
+        for dst, src in zip(b.cache.k + b.cache.v, cache.k + cache.v):
+            dst[:, :, :src.shape[2]].copy_(src)
+        b.loaded = True
+
+    @torch.inference_mode()
+    def step(self, tokens: Tensor, pos: int) -> Tensor:
+        """tokens [n, 1] at position pos -> logits [n, V] (a fresh tensor)."""
+        n = tokens.shape[0]
+        b = self.batches.get(n)
+        if b is None or not b.loaded:
+            raise RuntimeError("load() a prefilled cache of this batch size before stepping")
+        if pos + 1 > self.capacity:
+            raise ValueError(f"position {pos} is beyond the KV cache of {self.capacity} positions")
+        b.tokens.copy_(tokens.view(-1), non_blocking=True)
+        b.pos.fill_(pos)
+        if not self.graphs:
+            return self._forward(b)
+        if b.graph is None:
+            self._capture(b)  # replays the same inputs: the warm-up writes exactly what this step writes
+        b.graph.replay()
+        return b.logits.clone()
+
+    def _capture(self, b: _Batch) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):  # compiles every kernel outside the capture
+                self._forward(b)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            b.logits = self._forward(b)
+        b.graph = graph
+
+    # -- the step itself ------------------------------------------------------------------------------
+    def _linear(self, x: Tensor, w: Tensor) -> Tensor:
+        choice = self.gemv.get(tuple(w.shape))
+        if choice is not None and x.shape[1] <= choice[2]:
+            return ops.lane_gemv(x, w, impl="triton", config=choice[1])
+        if self.impl == "triton" and x.shape[1] <= 4:  # the CPU tests exercise the GEMV too
+            return ops.lane_gemv(x, w, impl="triton")
+        return torch.bmm(x, w.transpose(1, 2))
+
+    def _reduce(self, i: int, kind: str, h: Tensor, x: Tensor, saved: dict, next_norm: Tensor | None):
+        """h += what layer i's sub-block adds (spec §1.6), in place; returns the next sub-block's normed input."""
+        cfg = self.cfg
+        mode, future = cfg.reduce_mode(i, kind), cfg.broadcasts_to_future(i, kind)
+        kw = dict(out=h, impl=self.impl, want_sum=future, eps=cfg.norm_eps)
+        if next_norm is not None:
+            kw["norm_weight"] = self._norm(next_norm)
+        if mode == PRESENT:
+            kw["present"] = True
+        elif mode == NO_REDUCE:
+            kw["scale"] = math.sqrt(cfg.num_lanes)
+        elif cfg.consumes_past(i, kind):
+            past, total_old = saved.pop((kind, i - cfg.broadcast_delay))
+            kw.update(past=past, total_old=total_old)
+        _, total, normed = ops.residual_update(h, x, **kw)
+        if future:
+            saved[kind, i] = (x, total)
+        return normed
+
+    def _forward(self, b: _Batch) -> Tensor:
+        m, cfg = self.model, self.cfg
+        L, n, D = cfg.num_lanes, b.n, cfg.hidden_size
+        hq, hkv, hd = cfg.heads_per_lane, cfg.kv_heads_per_lane, cfg.head_dim
+        impl = self.impl
+        h = b.h
+        h.copy_(F.embedding(b.tokens, m.embed).unsqueeze(0).expand(L, n, D))
+        x = ops.rms_norm(h.view(L * n, D), self._norm(m.layers[0].attn_norm), cfg.norm_eps, impl=impl).view(L, n, D)
+        saved: dict = {}
+        for i, w in enumerate(m.layers):
+            qkv = self._linear(x, w.wqkv)
+            q = ops.rope_kv_write(qkv.view(L * n, -1), m.cos, m.sin, b.pos, b.cache.k[i], b.cache.v[i], hq, hkv, hd,
+                                  impl=impl)
+            o = ops.decode_attention(q, b.cache.k[i], b.cache.v[i], b.pos, cfg.window(i), impl=impl,
+                                     config=self.attention_config)
+            x = self._reduce(i, "attention", h, self._linear(o.view(L, n, hq * hd), w.wo), saved, w.ffn_norm)
+            gu = self._linear(x, w.w13)
+            y = ops.swiglu(gu.view(L * n, -1), impl=impl).view(L, n, -1)
+            nxt = m.layers[i + 1].attn_norm if i + 1 < len(m.layers) else None
+            x = self._reduce(i, "mlp", h, self._linear(y, w.w2), saved, nxt)
+        if cfg.lm_head_type == "replicate" and not cfg.pre_norm_lane_agg:  # the common head, through the norm kernel
+            hn = ops.rms_norm(h.view(L * n, D), self._norm(m.norm), cfg.norm_eps, impl=impl).view(L, n, D)
+            y = hn.sum(0) / L if L > 1 else hn[0]
+            return (y @ m.head_weight.T).float()
+        return m.head(h.unsqueeze(2))[:, -1]
+
+    # -- measuring the GEMV choice on this GPU ------------------------------------------------------------
+    @torch.inference_mode()
+    def tune_gemv(self, batch: int = 1, reps: int = 20) -> list[dict]:
+        """Time cuBLAS's batched GEMM against each Triton lane-GEMV config per weight shape (every layer's
+        matrix of that shape in turn, so the timing streams from memory, not L2), each captured in a CUDA
+        graph as the step runs them (host launch costs out of the comparison); keep the faster."""
+        from laneplay.kernels import triton_kernels as tk
+
+        if self.model.device.type != "cuda":
+            raise ValueError("the GEMV choice is measured on a CUDA device")
+        rows = []
+        shapes: dict[tuple[int, ...], list[Tensor]] = {}
+        for w in self.model.layers:
+            for t in (w.wqkv, w.wo, w.w13, w.w2):
+                shapes.setdefault(tuple(t.shape), []).append(t)
+        for shape, ws in shapes.items():
+            x = torch.randn(shape[0], batch, shape[2], dtype=self.model.dtype, device=self.model.device)
+            candidates = [("cublas", None)] + [("triton", c) for c in tk.GEMV_CONFIGS]
+            times = {}
+            for name, cfg in candidates:
+                def run():
+                    for w in ws:
+                        if cfg is None:
+                            torch.bmm(x, w.transpose(1, 2))
+                        else:
+                            tk.lane_gemv(x, w, cfg)
+                times[(name, cfg)] = _time_graph(run, reps) / len(ws)
+            best = min(times, key=times.get)
+            nbytes = ws[0].numel() * ws[0].element_size()
+            for (name, cfg), t in times.items():
+                rows.append({"shape": list(shape), "impl": name, "config": list(cfg) if cfg else None,
+                             "us": round(t * 1e6, 2), "GB/s": round(nbytes / t / 1e9, 1), "chosen": (name, cfg) == best})
+            if best[0] == "triton":
+                self.gemv[shape] = ("triton", best[1], tk.GEMV_MAX_BATCH)
+            else:
+                self.gemv.pop(shape, None)
+        self.reset_graphs()  # recapture with the chosen kernels
+        return rows
+
+    @torch.inference_mode()
+    def tune_attention(self, pos: int | None = None, reps: int = 20) -> list[dict]:
+        """Time each attention config of the Triton kernel over every layer's batch-1 cache at `pos` (default:
+        half the capacity), captured as a graph; keep the fastest."""
+        from laneplay.kernels import triton_kernels as tk
+
+        cfg, m = self.cfg, self.model
+        b = self._batch(1)
+        pos = min(self.capacity - 1, pos if pos is not None else self.capacity // 2)
+        p = torch.tensor([pos], device=m.device)
+        q = torch.randn(cfg.num_lanes, cfg.heads_per_lane, cfg.head_dim, dtype=m.dtype, device=m.device)
+        rows, times = [], {}
+        for conf in tk.ATTENTION_CONFIGS:
+            def run():
+                for i in range(cfg.num_layers):
+                    tk.decode_attention(q, b.cache.k[i], b.cache.v[i], p, cfg.window(i), conf)
+            times[conf] = _time_graph(run, reps)
+        best = min(times, key=times.get)
+        for conf, t in times.items():
+            rows.append({"config": list(conf), "pos": pos, "us_per_layer": round(t / cfg.num_layers * 1e6, 2),
+                         "chosen": conf == best})
+        self.attention_config = best
+        self.reset_graphs()
+        return rows
+
+    def reset_graphs(self) -> None:
+        """Drop every captured graph (the next step recaptures) and start a fresh memory pool for them."""
+        for b in self.batches.values():
+            b.graph = None
+        if self.graphs:
+            self.pool = torch.cuda.graph_pool_handle()
+
+
+def _time_graph(fn, reps: int) -> float:
+    """Median seconds of one replay of fn() captured as a CUDA graph (after a warm-up that compiles)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        z.record()
+        z.synchronize()
+        times.append(a.elapsed_time(z) / 1e3)
+    times.sort()
+    return times[len(times) // 2]
