@@ -25,13 +25,14 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: run test venv sysdeps clean bench bench-peers lock help _install_uv _install_pip
+.PHONY: run test venv sysdeps clean bench bench-peers gpu-check lock help _install_uv _install_pip
 
 help:
 	@echo "make run   - serve Laneplay with the embedded default model"
 	@echo "make test  - run the whole test suite"
 	@echo "make bench - run the benchmarks (tables + JSON in bench/results/)"
 	@echo "make bench-peers - build the optional llama.cpp peer for make bench (a few minutes)"
+	@echo "make gpu-check - on a CUDA machine: kernel checks + batch-1 decode timings (bench/results/gpu-check.json)"
 	@echo "make lock  - re-resolve requirements.lock from pyproject.toml (newest versions allowed)"
 
 venv: $(STAMP)
@@ -95,6 +96,9 @@ test: venv sysdeps
 
 bench: venv
 	$(VENV)/bin/laneplay bench
+
+gpu-check: venv
+	$(PY) -P bench/gpu_check.py
 
 # The llama.cpp peer of `laneplay bench` (optional, a few minutes of compiling): llama-cpp-python built
 # from its source package. Where the CPU has AVX-512: explicit AVX-512/VNNI/BF16 flags with AMX off (a

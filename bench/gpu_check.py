@@ -415,6 +415,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "gpu-check.json"))
     ap.add_argument("--steps", type=int, default=256, help="decode steps timed per variant")
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens before the timed steps")
+    ap.add_argument("--kernels-only", action="store_true", help="check the kernels, skip the decode timings")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; the CPU tests cover the kernels under TRITON_INTERPRET=1")
@@ -451,6 +452,11 @@ def main(argv=None) -> int:
         res["kernels_error"] = traceback.format_exc()
         log(res["kernels_error"])
     save()
+    if args.kernels_only:
+        res["seconds"] = round(time.perf_counter() - t_all, 1)
+        save()
+        print_table(res)
+        return 0 if res.get("kernels") and all(r["ok"] for r in res["kernels"]) else 1
     bw = res.get("bandwidth", {})
     if "error" in bw:
         bw = {"read_GBps": 4000.0}

@@ -50,9 +50,37 @@ def dtp_table(d: dict) -> str:
     return "\n".join(lines)
 
 
+def gpu_tables(d: dict) -> str:
+    """bench/gpu_check.py's run: the kernels' check and each model's decode paths."""
+    bw = d.get("bandwidth") or {}
+    lines = [f"`bench/gpu_check.py`, {(d.get('when') or '')[:10]}, {d.get('gpu')}, torch {d.get('torch')}, "
+             f"Triton {d.get('triton')}; measured copy bandwidth {_f(bw.get('copy_GBps'), '.0f')} GB/s (read + write), "
+             f"read bandwidth {_f(bw.get('read_GBps'), '.0f')} GB/s.", "",
+             "| kernel | cases within tolerance | worst rel. error fp32 | fp16 | bf16 |", "|---|---|---|---|---|"]
+    ks = d.get("kernels") or []
+    for k in sorted({r["kernel"] for r in ks}):
+        rs = [r for r in ks if r["kernel"] == k]
+        worst = [max((r["rel_err"] for r in rs if r["dtype"] == t), default=None) for t in ("float32", "float16", "bfloat16")]
+        lines.append(f"| {k} | {sum(r['ok'] for r in rs)}/{len(rs)} | " + " | ".join(_f(w, ".1e") for w in worst) + " |")
+    for m in d.get("models") or []:
+        if "variants" not in m:
+            continue
+        lines += ["", f"{m['model']}, batch 1, {m['dtype']}, {m['prompt_tokens']}-token prompt then "
+                  f"{m['decode_steps']} steps; {m['bytes_per_token'] / 1e9:.3f} GB read per token.", "",
+                  "| decode path | ms/token | tokens/s | GB/s | share of read bandwidth |", "|---|---|---|---|---|"]
+        lines += [f"| {label} | {v['ms_per_token']:.3f} | {v['tokens_per_s']:.0f} | {v['GBps']:.0f} | "
+                  f"{v['share_of_read_bw']:.0%} |" for label, v in m["variants"].items()]
+        p = m.get("parity_vs_decode")
+        if p:
+            lines += ["", f"Graph step vs `LaneModel.decode` over {p['steps']} greedy steps: max relative |Δlogit| "
+                      f"{p['max_rel_dlogit']:.1e}, top-1 agreement {p['greedy_top1_agreement']:.0%}."]
+    return "\n".join(lines)
+
+
 def report(folder: Path = RESULTS) -> str:
     parts = []
-    for name, render in (("decode-cpu.json", decode_tables), ("dtp-cpu.json", dtp_table)):
+    for name, render in (("decode-cpu.json", decode_tables), ("dtp-cpu.json", dtp_table),
+                         ("gpu-check.json", gpu_tables)):
         path = Path(folder) / name
         if path.is_file():
             parts.append(render(json.loads(path.read_text())))

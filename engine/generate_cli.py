@@ -23,6 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly (default: compiled on CPU at world size 1)")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="CUDA: decode through LaneModel.decode instead of the static step captured as CUDA graphs")
 
 
 def run(args) -> int:
@@ -34,7 +36,8 @@ def run(args) -> int:
     try:
         params.validate()
         eng = load_engine(args.model, device=args.device, dtype=args.dtype, world_size=args.world_size,
-                          compile=False if args.no_compile else "auto")
+                          compile=False if args.no_compile else "auto",
+                          graphs=False if args.no_cuda_graphs else "auto")
     except (ValueError, OSError) as e:
         print(f"laneplay generate: {e}", file=sys.stderr)
         return 2

@@ -28,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the most KV cache one request may reserve, in GiB; larger requests get a 400 "
                         "(default: a fifth of RAM on CPU, 40%% of the GPU on CUDA)")
     p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly (default: compiled on CPU at world size 1)")
+    p.add_argument("--no-cuda-graphs", action="store_true",
+                   help="CUDA: decode through LaneModel.decode instead of the static step captured as CUDA graphs")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -48,7 +50,8 @@ def run(args) -> int:
 
     try:
         eng = load_engine(args.model, device=args.device, dtype=args.dtype, world_size=args.world_size,
-                          compile=False if args.no_compile else "auto", kv_budget_gb=args.kv_budget_gb,
+                          compile=False if args.no_compile else "auto",
+                          graphs=False if args.no_cuda_graphs else "auto", kv_budget_gb=args.kv_budget_gb,
                           progress=stage)
     except (ValueError, OSError) as e:
         print(f"laneplay engine: {e}", file=sys.stderr)
