@@ -204,6 +204,14 @@ def _rope_attention_cases(dtype, dev, record, rel, rnd, tk):
             ref = reference.decode_attention(q, kc, vc, p, window)
             err = max(rel(tk.decode_attention(q, kc, vc, p, window, c), ref) for c in (None,) + tk.ATTENTION_CONFIGS)
             record("decode_attention", w_case + " (all configs)", dtype, err, scale=3)
+            errs = []
+            for c in (None,) + tk.ATTENTION_CONFIGS:  # the fused kernel: output and the written slot
+                kf, vf, kg, vg = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+                kf[:, :, pos % slots] = vf[:, :, pos % slots] = float("nan")  # the kernel must write it
+                got = tk.rope_attention(qkv, cos, sin, p, kf, vf, hq, hkv, hd, window, c)
+                want = reference.rope_attention(qkv, cos, sin, p, kg, vg, hq, hkv, hd, window)
+                errs += [rel(got, want), rel(kf, kg), rel(vf, vg)]
+            record("rope_attention (fused)", w_case + " (all configs)", dtype, max(errs), scale=3)
 
 
 def _swiglu_cases(dtype, dev, record, rel, rnd, tk):
@@ -340,9 +348,10 @@ def decode_speed(name: str, cfg: ModelConfig, weights: dict, dev, bw: dict, step
                                                      f"{r['GB/s']} GB/s" for r in chosen))
             out["attention_tuning"] = dec.tune_attention(pos=prompt + steps // 2)
             best = next(r for r in out["attention_tuning"] if r["chosen"])
-            log(f"{name}: attention configs (split, block, warps): " + "; ".join(
-                f"{r['config']} {r['us_per_layer']} us" for r in out["attention_tuning"]))
-            graph_run(f"CUDA graph, measured GEMV + attention {tuple(best['config'])}")
+            log(f"{name}: attention configs (split, block, warps, RoPE fused): " + "; ".join(
+                f"{r['config']} {r['fused_rope']} {r['us_per_layer']} us" for r in out["attention_tuning"]))
+            graph_run(f"CUDA graph, measured GEMV + attention {tuple(best['config'])}"
+                      + (" with RoPE fused" if best["fused_rope"] else ""))
         except Exception:
             out.setdefault("errors", []).append(traceback.format_exc())
 
@@ -368,9 +377,10 @@ def decode_speed(name: str, cfg: ModelConfig, weights: dict, dev, bw: dict, step
         # the engine's loop: a LocalRunner with the graph step (greedy on device, ids read back per token)
         try:
             runtime = make_runtime("cuda", out["dtype"], graphs=True, compile=False)
-            runner = LocalRunner(model, runtime)
-            runner.static.gemv, runner.static.attention_config = dict(dec.gemv), dec.attention_config
-            runner.static.reset_graphs()
+            runner = LocalRunner(model, runtime)  # measures its own attention / GEMV choice, captures
+            out["engine_choice"] = {"attention_config": runner.static.attention_config,
+                                    "fused_rope": runner.static.fused_rope,
+                                    "triton_gemv": {str(k): v[1] for k, v in runner.static.gemv.items()}}
             params = SamplingParams(max_tokens=steps, temperature=0.0).validate()
             stamps = [t for _, t in runner.token_steps(ids[0].tolist(), params, [0], set())]
             gaps = sorted(b - a for a, b in zip(stamps[1:], stamps[2:]))  # the first gap holds the capture

@@ -35,6 +35,8 @@ class LocalRunner:
 
             self.static = StaticDecoder(model, graphs=model.device.type == "cuda",
                                         kv_budget_bytes=runtime.kv_budget_bytes)
+            if self.static.graphs:
+                self.static.tune()  # which attention split and GEMV this GPU runs fastest
         if runtime.compile:
             self.compile()
         elif self.static is not None:

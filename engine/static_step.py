@@ -55,6 +55,7 @@ class StaticDecoder:
         self.kv_budget_bytes = kv_budget_bytes
         self.gemv: dict[tuple[int, ...], tuple] = {}  # weight shape -> ("triton", config) where measured faster
         self.attention_config: tuple[int, int, int] | None = None  # the attention kernel's, where measured
+        self.fused_rope = False  # RoPE + KV write inside the attention kernel (where measured faster)
         self.batches: dict[int, _Batch] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
         L, D = self.cfg.num_lanes, self.cfg.hidden_size
@@ -136,6 +137,17 @@ class StaticDecoder:
             return ops.lane_gemv(x, w, impl="triton")
         return torch.bmm(x, w.transpose(1, 2))
 
+    def _attention(self, qkv: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, window: int | None,
+                   config=None, fused: bool | None = None) -> Tensor:
+        """RoPE on q and k, the KV write, attention over the cache: two kernels, or one where measured faster."""
+        cfg, m = self.cfg, self.model
+        config = config if config is not None else self.attention_config
+        args = (qkv, m.cos, m.sin, pos, kc, vc, cfg.heads_per_lane, cfg.kv_heads_per_lane, cfg.head_dim)
+        if self.fused_rope if fused is None else fused:
+            return ops.rope_attention(*args, window, impl=self.impl, config=config)
+        q = ops.rope_kv_write(*args, impl=self.impl)
+        return ops.decode_attention(q, kc, vc, pos, window, impl=self.impl, config=config)
+
     def _reduce(self, i: int, kind: str, h: Tensor, x: Tensor, saved: dict, next_norm: Tensor | None):
         """h += what layer i's sub-block adds (spec §1.6), in place; returns the next sub-block's normed input."""
         cfg = self.cfg
@@ -158,7 +170,7 @@ class StaticDecoder:
     def _forward(self, b: _Batch) -> Tensor:
         m, cfg = self.model, self.cfg
         L, n, D = cfg.num_lanes, b.n, cfg.hidden_size
-        hq, hkv, hd = cfg.heads_per_lane, cfg.kv_heads_per_lane, cfg.head_dim
+        hq, hd = cfg.heads_per_lane, cfg.head_dim
         impl = self.impl
         h = b.h
         h.copy_(F.embedding(b.tokens, m.embed).unsqueeze(0).expand(L, n, D))
@@ -166,10 +178,7 @@ class StaticDecoder:
         saved: dict = {}
         for i, w in enumerate(m.layers):
             qkv = self._linear(x, w.wqkv)
-            q = ops.rope_kv_write(qkv.view(L * n, -1), m.cos, m.sin, b.pos, b.cache.k[i], b.cache.v[i], hq, hkv, hd,
-                                  impl=impl)
-            o = ops.decode_attention(q, b.cache.k[i], b.cache.v[i], b.pos, cfg.window(i), impl=impl,
-                                     config=self.attention_config)
+            o = self._attention(qkv.view(L * n, -1), b.cache.k[i], b.cache.v[i], b.pos, cfg.window(i))
             x = self._reduce(i, "attention", h, self._linear(o.view(L, n, hq * hd), w.wo), saved, w.ffn_norm)
             gu = self._linear(x, w.w13)
             y = ops.swiglu(gu.view(L * n, -1), impl=impl).view(L, n, -1)
@@ -222,28 +231,52 @@ class StaticDecoder:
 
     @torch.inference_mode()
     def tune_attention(self, pos: int | None = None, reps: int = 20) -> list[dict]:
-        """Time each attention config of the Triton kernel over every layer's batch-1 cache at `pos` (default:
-        half the capacity), captured as a graph; keep the fastest."""
+        """Time each attention config of the Triton kernel, with RoPE + KV write as their own kernel and
+        fused into it, over every layer's batch-1 cache at `pos` (default: half the capacity), captured as
+        a graph; keep the fastest. (Slot `pos` is written with random keys; a request's `load` rewrites it.)"""
         from laneplay.kernels import triton_kernels as tk
 
         cfg, m = self.cfg, self.model
         b = self._batch(1)
         pos = min(self.capacity - 1, pos if pos is not None else self.capacity // 2)
         p = torch.tensor([pos], device=m.device)
-        q = torch.randn(cfg.num_lanes, cfg.heads_per_lane, cfg.head_dim, dtype=m.dtype, device=m.device)
+        qkv = torch.randn(cfg.num_lanes, (cfg.heads_per_lane + 2 * cfg.kv_heads_per_lane) * cfg.head_dim,
+                          dtype=m.dtype, device=m.device)
         rows, times = [], {}
         for conf in tk.ATTENTION_CONFIGS:
-            def run():
-                for i in range(cfg.num_layers):
-                    tk.decode_attention(q, b.cache.k[i], b.cache.v[i], p, cfg.window(i), conf)
-            times[conf] = _time_graph(run, reps)
+            for fused in (False, True):
+                def run():
+                    for i in range(cfg.num_layers):
+                        self._attention(qkv, b.cache.k[i], b.cache.v[i], p, cfg.window(i), conf, fused)
+                times[conf, fused] = _time_graph(run, reps)
         best = min(times, key=times.get)
-        for conf, t in times.items():
-            rows.append({"config": list(conf), "pos": pos, "us_per_layer": round(t / cfg.num_layers * 1e6, 2),
-                         "chosen": conf == best})
-        self.attention_config = best
+        for (conf, fused), t in times.items():
+            rows.append({"config": list(conf), "fused_rope": fused, "pos": pos,
+                         "us_per_layer": round(t / cfg.num_layers * 1e6, 2), "chosen": (conf, fused) == best})
+        self.attention_config, self.fused_rope = best
         self.reset_graphs()
         return rows
+
+    def tune(self, log=None) -> dict:
+        """Measure the attention and GEMV choices on this GPU (a few seconds at load, never in a request);
+        a choice that fails to measure keeps the default (two-kernel attention, cuBLAS GEMVs)."""
+        import logging
+        import traceback
+
+        log = log or logging.getLogger("laneplay.engine")
+        out = {}
+        for name, fn in (("attention", self.tune_attention), ("gemv", self.tune_gemv)):
+            try:
+                out[name] = fn()
+            except Exception:  # a kernel that fails to build or run here: keep the default path
+                log.warning("static step: measuring the %s choice failed; keeping the default\n%s", name,
+                            traceback.format_exc())
+                if name == "attention":
+                    self.attention_config, self.fused_rope = None, False
+                else:
+                    self.gemv.clear()
+        self.reset_graphs()
+        return out
 
     def reset_graphs(self) -> None:
         """Drop every captured graph (the next step recaptures) and start a fresh memory pool for them."""

@@ -59,6 +59,15 @@ def decode_attention(q, k_cache, v_cache, pos, window, *, impl: str | None = Non
     return reference.decode_attention(q, k_cache, v_cache, pos, window)
 
 
+def rope_attention(qkv, cos, sin, pos, k_cache, v_cache, num_q_heads, num_kv_heads, head_dim, window, *,
+                   impl: str | None = None, config=None) -> Tensor:
+    """`rope_kv_write` + `decode_attention` fused (one kernel and the merge on Triton)."""
+    args = (qkv, cos, sin, pos, k_cache, v_cache, num_q_heads, num_kv_heads, head_dim, window)
+    if choose(qkv, impl) == "triton":
+        return triton_module().rope_attention(*args, config)
+    return reference.rope_attention(*args)
+
+
 def swiglu(gate_up: Tensor, *, impl: str | None = None) -> Tensor:
     return _impl("swiglu", gate_up, impl)(gate_up)
 

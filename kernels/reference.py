@@ -73,6 +73,13 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, w
     return out.reshape(N, hq, hd).to(q.dtype)
 
 
+def rope_attention(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
+                   num_q_heads: int, num_kv_heads: int, head_dim: int, window: int | None) -> Tensor:
+    """RoPE + KV write, then attention over the cache (what the fused kernel does in one pass)."""
+    q = rope_kv_write(qkv, cos, sin, pos, k_cache, v_cache, num_q_heads, num_kv_heads, head_dim)
+    return decode_attention(q, k_cache, v_cache, pos, window)
+
+
 def swiglu(gate_up: Tensor) -> Tensor:
     """silu(gate) * up of rows gate_up [R, 2F] (gate columns first) -> [R, F], in the input dtype."""
     gate, up = gate_up.chunk(2, dim=-1)

@@ -91,10 +91,13 @@ def rope_kv_write(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: T
 # ---- decode attention: flash-decoding over the static cache, then a log-sum-exp merge ----------------
 
 @triton.jit
-def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, o_ptr, lse_ptr,
+def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr,
                        HQ, HKV, HD, REP, slots, window, split_len, n_splits, scale,
                        BLOCK_R: tl.constexpr, BLOCK_HD: tl.constexpr, BLOCK_S: tl.constexpr,
-                       CHECK_WINDOW: tl.constexpr, IEEE: tl.constexpr):
+                       CHECK_WINDOW: tl.constexpr, IEEE: tl.constexpr, FUSED_ROPE: tl.constexpr):
+    """One split of one (row, KV head)'s slots. FUSED_ROPE: q_ptr is the un-rotated qkv row; the program
+    rotates its query heads, and the one program whose split holds this position's slot rotates the new
+    key, writes key and value into that slot and uses them from registers (no other program reads it)."""
     pid = tl.program_id(0)  # (row, kv head)
     sp = tl.program_id(1)  # which split of the slots
     r = pid // HKV
@@ -108,7 +111,28 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, o_ptr, lse_ptr,
     d = tl.arange(0, BLOCK_HD)
     dm = d < HD
     qh = r * HQ + g * REP + rr
-    q = tl.load(q_ptr + qh[:, None] * HD + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0)
+    qm = rm[:, None] & dm[None, :]
+    if FUSED_ROPE:  # interleaved pairs: y[2t] = x[2t] c - x[2t+1] s, y[2t+1] = x[2t] s + x[2t+1] c
+        row = q_ptr + r * (HQ + 2 * HKV) * HD
+        half = HD // 2
+        c = tl.load(cos_ptr + pos * half + d // 2, mask=dm, other=0.0)
+        sn = tl.load(sin_ptr + pos * half + d // 2, mask=dm, other=0.0)
+        sign = tl.where(d % 2 == 0, -1.0, 1.0)
+        hoff = (g * REP + rr) * HD
+        x = tl.load(row + hoff[:, None] + d[None, :], mask=qm, other=0.0).to(tl.float32)
+        xp = tl.load(row + hoff[:, None] + (d ^ 1)[None, :], mask=qm, other=0.0).to(tl.float32)
+        q = (x * c[None, :] + sign[None, :] * xp * sn[None, :]).to(kc_ptr.dtype.element_ty)
+        kx = tl.load(row + (HQ + g) * HD + d, mask=dm, other=0.0).to(tl.float32)
+        kxp = tl.load(row + (HQ + g) * HD + (d ^ 1), mask=dm, other=0.0).to(tl.float32)
+        k_new = (kx * c + sign * kxp * sn).to(kc_ptr.dtype.element_ty)
+        v_new = tl.load(row + (HQ + HKV + g) * HD + d, mask=dm, other=0.0)
+        slot_now = pos % slots
+        if (slot_now >= start) & (slot_now < start + split_len):
+            dst = (r * HKV + g) * slots * HD + slot_now * HD + d
+            tl.store(kc_ptr + dst, k_new, mask=dm)
+            tl.store(vc_ptr + dst, v_new.to(vc_ptr.dtype.element_ty), mask=dm)
+    else:
+        q = tl.load(q_ptr + qh[:, None] * HD + d[None, :], mask=qm, other=0.0)
     m_i = tl.zeros([BLOCK_R], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_HD], dtype=tl.float32)
@@ -121,6 +145,8 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, o_ptr, lse_ptr,
             vis = vis & (held > pos - window)
         kv_mask = vis[:, None] & dm[None, :]
         k = tl.load(kc_ptr + base + j[:, None] * HD + d[None, :], mask=kv_mask, other=0.0)
+        if FUSED_ROPE:
+            k = tl.where((j == slot_now)[:, None], k_new[None, :], k)
         if IEEE:
             sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_R, BLOCK_S]
         else:
@@ -131,6 +157,8 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, o_ptr, lse_ptr,
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(sc - m_safe[:, None])
         v = tl.load(vc_ptr + base + j[:, None] * HD + d[None, :], mask=kv_mask, other=0.0)
+        if FUSED_ROPE:
+            v = tl.where((j == slot_now)[:, None], v_new[None, :].to(v.dtype), v)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
@@ -191,8 +219,22 @@ ATTENTION_CONFIGS = ((32, 32, 4), (64, 32, 4), (64, 64, 4), (32, 16, 2), (128, 6
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, window: int | None,
                      config: tuple[int, int, int] | None = None) -> Tensor:
-    N, hq, hd = q.shape
-    hkv, slots = k_cache.shape[1], k_cache.shape[2]
+    return _attention(q, k_cache, v_cache, pos, window, config, rope=None)
+
+
+def rope_attention(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
+                   num_q_heads: int, num_kv_heads: int, head_dim: int, window: int | None,
+                   config: tuple[int, int, int] | None = None) -> Tensor:
+    """`rope_kv_write` then `decode_attention` in one kernel (plus the merge): qkv [N, (Hq + 2 Hkv) hd]."""
+    assert qkv.shape[1] == (num_q_heads + 2 * num_kv_heads) * head_dim and k_cache.shape[1] == num_kv_heads
+    assert cos.is_contiguous() and sin.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
+    return _attention(qkv.contiguous(), k_cache, v_cache, pos, window, config, rope=(cos, sin, num_q_heads))
+
+
+def _attention(q, k_cache, v_cache, pos, window, config, rope):
+    N = q.shape[0]
+    hkv, slots, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    hq = rope[2] if rope else q.shape[1]
     rep = hq // hkv
     q = q.contiguous()
     split_len, block_s, warps = config or (None, 32, 4)
@@ -200,11 +242,13 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, w
     o_part = torch.empty(N * hq, n_splits, hd, dtype=torch.float32, device=q.device)
     lse = torch.empty(N * hq, n_splits, dtype=torch.float32, device=q.device)
     window = int(window or FULL_WINDOW)
+    cos, sin = (rope[0], rope[1]) if rope else (o_part, o_part)
     _attn_split_kernel[(N * hkv, n_splits)](
-        q, k_cache, v_cache, pos, o_part, lse, hq, hkv, hd, rep, slots, window, split, n_splits,
+        q, k_cache, v_cache, pos, o_part, lse, cos, sin, hq, hkv, hd, rep, slots, window, split, n_splits,
         hd ** -0.5, BLOCK_R=max(16, _pow2(rep)), BLOCK_HD=max(16, _pow2(hd)), BLOCK_S=max(16, min(split, block_s)),
-        CHECK_WINDOW=window < slots, IEEE=q.dtype == torch.float32, num_warps=warps)
-    out = torch.empty(N, hq, hd, dtype=q.dtype, device=q.device)
+        CHECK_WINDOW=window < slots, IEEE=k_cache.dtype == torch.float32, FUSED_ROPE=rope is not None,
+        num_warps=warps)
+    out = torch.empty(N, hq, hd, dtype=k_cache.dtype, device=q.device)
     _attn_merge_kernel[(N * hq,)](o_part, lse, out, pos, hd, slots, split, n_splits,
                                   BLOCK_SP=min(16, _pow2(n_splits)), BLOCK_HD=_pow2(hd), num_warps=2)
     return out

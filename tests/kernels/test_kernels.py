@@ -90,6 +90,23 @@ def test_decode_attention(dtype, N, hq, hkv, hd, slots, pos, window):
         assert rel_err(got, ref) <= (3e-5 if dtype == torch.float32 else 5e-3), config
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N,hq,hkv,hd,slots,pos,window,config", [
+    (1, 4, 2, 96, 64, 5, None, None),           # the slot of pos in the first split
+    (2, 6, 3, 64, 80, 60, None, (16, 16, 2)),   # several splits; only one owns the slot of pos
+    (3, 9, 3, 32, 16, 40, 16, None),            # ring buffer wrapped
+    (2, 2, 1, 16, 24, 30, 16, (32, 16, 2)),     # ring larger than the window
+])
+def test_rope_attention_fused(dtype, N, hq, hkv, hd, slots, pos, window, config):
+    qkv, cos, sin, p, (kc, vc) = _rope_case(dtype, N, hq, hkv, hd, slots, pos, seed=pos + hd)
+    kr, vr = kc.clone(), vc.clone()
+    kc[:, :, pos % slots] = vc[:, :, pos % slots] = float("nan")  # the kernel must write this slot
+    got = ops.rope_attention(qkv, cos, sin, p, kc, vc, hq, hkv, hd, window, impl="triton", config=config)
+    ref = reference.rope_attention(qkv, cos, sin, p, kr, vr, hq, hkv, hd, window)
+    assert rel_err(got, ref) <= (3e-5 if dtype == torch.float32 else 5e-3)
+    assert rel_err(kc, kr) <= TOL[dtype] and torch.equal(vc, vr)
+
+
 def test_decode_attention_reads_only_visible_slots():
     # poison every slot that must not be read: the result stays finite and unchanged
     q = rnd(1, 2, 16, dtype=torch.float32, seed=1)

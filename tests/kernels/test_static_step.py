@@ -26,12 +26,13 @@ def engine_for(tmp_path, overrides, dtype="float32"):
     return load_engine(tmp_path / "ckpt", dtype=dtype)
 
 
-def compare(eng, impl, n, prompt, steps, capacity=48, rel=1e-4):
+def compare(eng, impl, n, prompt, steps, capacity=48, rel=1e-4, fused_rope=False):
     model = eng.model
     ids = torch.randint(0, eng.cfg.vocab_size, (1, prompt + steps), generator=torch.Generator().manual_seed(n))
     _, cache = model.prefill(ids[:, :prompt], n, prompt + steps)
     ref_cache = KV_copy(cache)
     dec = StaticDecoder(model, capacity=capacity, graphs=False, impl=impl)
+    dec.fused_rope = fused_rope
     dec.load(cache)
     worst = 0.0
     for p in range(prompt, prompt + steps):
@@ -63,7 +64,7 @@ def test_static_step_matches_decode_triton_interpreted(tmp_path):
 
 def test_static_step_half_precision_gqa3_triton_interpreted(tmp_path):
     eng = engine_for(tmp_path, CONFIGS["delay 1, vocab-parallel head, GQA 3"], dtype="float16")
-    compare(eng, "triton", n=2, prompt=9, steps=1, rel=2e-2)  # a wrapped ring, two samples
+    compare(eng, "triton", n=2, prompt=9, steps=1, rel=2e-2, fused_rope=True)  # a wrapped ring, two samples
 
 
 def test_static_step_refuses_what_it_cannot_hold(tmp_path):
@@ -95,3 +96,11 @@ def test_engine_with_the_static_step_generates_the_same_text(tmp_path):
     for kw in ({"temperature": 0.0}, {"temperature": 0.9, "n": 3, "seed": 4}):
         assert tokens(static, **kw) == tokens(plain, **kw)
     assert static.runner.static.batches  # it really decoded through the static step
+
+
+def test_a_choice_that_cannot_be_measured_keeps_the_default(tmp_path, caplog):
+    eng = engine_for(tmp_path, {})
+    dec = StaticDecoder(eng.model, capacity=16, graphs=False)
+    assert dec.tune() == {}  # no CUDA here: both measurements fail, and say so
+    assert dec.attention_config is None and not dec.fused_rope and not dec.gemv
+    assert "keeping the default" in caplog.text
