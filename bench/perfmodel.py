@@ -215,7 +215,8 @@ def gpu_calibration(device: str, results: Path = RESULTS) -> dict:
         for key in ("hbm_gbps", "bw_efficiency", "collective_us", "launch_us"):
             v = data.get(key)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
-                out["launch_graph_us" if key == "launch_us" else key] = (float(v), f"measured, {_rel(path)}")
+                note = f" ({data['calibration_note']})" if data.get("calibration_note") else ""
+                out["launch_graph_us" if key == "launch_us" else key] = (float(v), f"measured, {_rel(path)}{note}")
     return out
 
 

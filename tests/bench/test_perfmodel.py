@@ -148,7 +148,10 @@ def test_presets_load_with_sources():
         node = pm.node_preset(name)
         assert node.gpus >= 1 and node.hbm_gbps > 0
         assert all(k in node.sources for k in ("hbm_gbps", "bw_efficiency", "collective_us"))
-    assert pm.node_preset("8xH200").sources["calibration"] == "not calibrated: no GPU run yet"
+    h200 = pm.node_preset("8xH200")  # calibrated by the H200 run in bench/results/gpu-check.json
+    assert all(h200.sources[k].startswith("calibrated: measured, bench/results/gpu-check.json")
+               for k in ("hbm_gbps", "bw_efficiency", "launch_graph_us"))
+    assert pm.node_preset("8xMI300X").sources["calibration"] == "not calibrated: no GPU run yet"
     with pytest.raises(pm.PerfModelError, match="unknown node preset"):
         pm.node_preset("4xB200")
 
@@ -184,7 +187,8 @@ def test_cli_json_and_tables(capsys):
     assert pm.run(parse(["--no-write", "--node", "8xH200", "--eager", "--collective-us", "20"])) == 0
     out = capsys.readouterr().out
     assert "Assumptions for 8xH200" in out and "collective_us      20" in out and "set on the command line" in out
-    assert "not calibrated: no GPU run yet" in out and "Kog on 8xH200" in out and "standard TP" in out
+    assert "calibrated: measured, bench/results/gpu-check.json" in out and "Kog on 8xH200" in out
+    assert "standard TP" in out
 
 
 def test_cli_registered():
@@ -213,3 +217,21 @@ def test_bad_flags_are_argparse_errors(argv, message, capsys):
 def test_bad_values_give_clear_errors(argv, message, capsys):
     assert pm.run(parse(argv + ["--no-write"])) == 2
     assert message in capsys.readouterr().err
+
+
+def test_gpu_check_calibration_from_a_run():
+    import runpy
+    from pathlib import Path
+
+    calibration = runpy.run_path(str(Path(pm.__file__).parent / "gpu_check.py"), run_name="gpu_check")["calibration"]
+    run = {"gpu": "NVIDIA H200", "bandwidth": {"read_GBps": 4000.0}, "models": [{
+        "model": "laneformer-2b-shaped (random weights)", "weight_bytes": 4_000_000_000 + 32000 * 3072 * 2,
+        "config": {"vocab_size": 32000, "hidden_size": 3072},
+        "variants": {"CUDA graph, cuBLAS GEMV": {"ms_per_token": 1.5}, "eager torch": {"ms_per_token": 9.0}},
+        "kernel_profile": [{"kernel": "nvjet_sm90_x", "calls": 60, "us_per_step": 1250.0},
+                           {"kernel": "_residual_kernel", "calls": 40, "us_per_step": 100.0}]}]}
+    c = calibration(run)
+    assert c["device"] == "NVIDIA H200" and c["hbm_gbps"] == 4000.0
+    assert c["bw_efficiency"] == 0.8  # 4.0 GB in 1,250 us = 3.2 TB/s of 4.0
+    assert c["launch_us"] == 2.5  # (1,500 - 1,250) us over 100 kernels
+    assert calibration({"gpu": "x", "bandwidth": {}}) == {}
