@@ -8,8 +8,10 @@ the whole step is captured once per batch size and each token is one graph repla
 synchronisation per token is the caller reading the sampled ids. On the CPU the same step runs
 eagerly through the torch references (what the tests compare against `LaneModel.decode`).
 
-The lane linears are cuBLAS's batched GEMM unless `tune_gemv` measured the Triton lane GEMV faster for
-a weight shape on this GPU. DTP ranks keep `LaneModel.decode` (their collectives are not captured).
+At load (`tune`) the step measures on its GPU which attention split to use, whether RoPE + KV write
+run fused into the attention kernel, and, per weight shape, whether the Triton lane GEMV beats cuBLAS's
+batched GEMM; anything that fails to measure keeps the default. DTP ranks keep `LaneModel.decode`
+(their collectives are not captured).
 """
 from __future__ import annotations
 
@@ -66,7 +68,9 @@ class StaticDecoder:
         return kv_cache_bytes(self.cfg, self.cfg.num_lanes, n, self.capacity, self.model.dtype.itemsize)
 
     def fits(self, n: int, positions: int) -> bool:
-        """Whether a request of n samples and `positions` positions can run here."""
+        """Whether a request of n samples and `positions` positions can run here: within the capacity, and
+        the static caches held (one per batch size used, each for the whole capacity) within the KV budget;
+        a request that does not fit decodes through `LaneModel.decode` with its own cache."""
         if positions > self.capacity:
             return False
         held = sum(self.cache_bytes(b) for b in self.batches if b != n)
