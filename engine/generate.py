@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 import torch
 
 from laneplay.engine.metrics import GenerationMetrics
-from laneplay.engine.sampling import SamplingParams, make_generators, sample, sample_seeds
+from laneplay.engine.sampling import SamplingParams, make_generators
 
 
 @dataclass

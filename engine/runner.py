@@ -33,7 +33,7 @@ class LocalRunner:
         if runtime.graphs:
             from laneplay.engine.static_step import StaticDecoder
 
-            self.static = StaticDecoder(model, graphs=model.device.type == "cuda",
+            self.static = StaticDecoder(model, graphs=model.device.type == "cuda" and runtime.world_size == 1,
                                         kv_budget_bytes=runtime.kv_budget_bytes)
             if self.static.graphs:
                 self.static.tune()  # which attention split and GEMV this GPU runs fastest

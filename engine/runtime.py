@@ -51,7 +51,7 @@ class Runtime:
     compile: bool = False  # compile the per-token decode blocks (paid at load, never inside a request)
     kv_budget_bytes: int = 0  # the most KV cache one request may reserve (0: no limit)
     prefill_chunk: int = 512  # prompt tokens per prefill step (bounds attention memory and how long a stop waits)
-    graphs: bool = False  # decode through the static step (`engine.static_step`): one CUDA graph per batch size
+    graphs: bool = False  # decode through the static step (`engine.static_step`); captured on CUDA at world size 1
 
     @property
     def torch_device(self) -> torch.device:
@@ -94,8 +94,9 @@ def make_runtime(device: str | torch.device | None = "cpu", dtype="float32", wor
     compile: True / False, or "auto": compiled on CPU at world size 1, where per-op overhead dominates;
     under DTP "auto" runs eagerly (the ranks share the cores, and each would pay the compile), while an
     explicit `compile=True` is honoured by every rank.
-    graphs: True / False, or "auto": the static CUDA-graph decode step on CUDA at world size 1 (True on
-    the CPU runs the same static step eagerly; DTP ranks always decode eagerly).
+    graphs: True / False, or "auto": decode through the static step (`engine.static_step`), captured as one
+    CUDA graph per batch size on CUDA at world size 1 ("auto" turns it on there). True elsewhere runs the
+    same step without capture: on the CPU through the torch references, on DTP ranks with their collectives.
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
@@ -123,8 +124,6 @@ def make_runtime(device: str | torch.device | None = "cpu", dtype="float32", wor
         raise ValueError(f"graphs must be True, False or 'auto', got {graphs!r}")
     if graphs == "auto":
         graphs = dev.type == "cuda" and world_size == 1
-    if graphs and world_size > 1:
-        raise ValueError("the static decode step (graphs) runs at world size 1; DTP ranks decode eagerly")
     name = next(k for k, v in DTYPES.items() if v == dt and "fp" not in k and k != "bf16")
     backend = ("nccl" if dev.type == "cuda" else "gloo") if world_size > 1 else None
     return Runtime(device=str(dev), dtype=name, world_size=world_size, backend=backend, threads=threads,

@@ -10,8 +10,9 @@ eagerly through the torch references (what the tests compare against `LaneModel.
 
 At load (`tune`) the step measures on its GPU which attention split to use, whether RoPE + KV write
 run fused into the attention kernel, and, per weight shape, whether the Triton lane GEMV beats cuBLAS's
-batched GEMM; anything that fails to measure keeps the default. DTP ranks keep `LaneModel.decode`
-(their collectives are not captured).
+batched GEMM; anything that fails to measure keeps the default. On a DTP rank (`graphs=True` at world
+size > 1) the same step runs on the rank's lanes without capture: the lane sums go through the model's
+comm (blocking for PRESENT layers, issued and waited for d layers later otherwise), as in `LaneModel`.
 """
 from __future__ import annotations
 
@@ -42,17 +43,21 @@ class _Batch:
 
 
 class StaticDecoder:
-    """`load(cache)` after a prefill, then `step(tokens, pos)` per token (logits [n, V], float32)."""
+    """`load(cache)` after a prefill, then `step(tokens, pos)` per token (logits [n, V], float32; a vocab
+    shard on a DTP rank with a vocab-parallel head)."""
 
     def __init__(self, model: LaneModel, capacity: int | None = None, graphs: bool | None = None,
                  impl: str | None = None, kv_budget_bytes: int = 0):
-        if not isinstance(model.comm, LocalLanes) or len(model.lanes) != model.cfg.num_lanes:
-            raise ValueError("the static decode step runs all lanes in one process (world size 1)")
         self.model, self.cfg = model, model.cfg
+        # all lanes here (world size 1): cross-lane sums are fused into the residual kernel; on a DTP rank
+        # they go through the model's comm (collectives), and the step runs without capture
+        self.local = isinstance(model.comm, LocalLanes) and len(model.lanes) == model.cfg.num_lanes
         self.capacity = min(capacity or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings)
-        self.graphs = model.device.type == "cuda" if graphs is None else bool(graphs)
+        self.graphs = (model.device.type == "cuda" and self.local) if graphs is None else bool(graphs)
         if self.graphs and model.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
+        if self.graphs and not self.local:
+            raise ValueError("a DTP rank's step is not captured as a CUDA graph (its collectives run eagerly)")
         self.impl = impl
         self.kv_budget_bytes = kv_budget_bytes
         self.gemv: dict[tuple[int, ...], tuple] = {}  # weight shape -> ("triton", config) where measured faster
@@ -60,12 +65,12 @@ class StaticDecoder:
         self.fused_rope = False  # RoPE + KV write inside the attention kernel (where measured faster)
         self.batches: dict[int, _Batch] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
-        L, D = self.cfg.num_lanes, self.cfg.hidden_size
+        L, D = len(model.lanes), self.cfg.hidden_size
         self._norm = lambda w: w.reshape(L, D) if w.dim() == 4 else w  # lane norms are stored [L, 1, 1, D]
 
     # -- capacity -----------------------------------------------------------------------------------
     def cache_bytes(self, n: int) -> int:
-        return kv_cache_bytes(self.cfg, self.cfg.num_lanes, n, self.capacity, self.model.dtype.itemsize)
+        return kv_cache_bytes(self.cfg, len(self.model.lanes), n, self.capacity, self.model.dtype.itemsize)
 
     def fits(self, n: int, positions: int) -> bool:
         """Whether a request of n samples and `positions` positions can run here: within the capacity, and
@@ -83,7 +88,7 @@ class StaticDecoder:
             b = _Batch(n=n, cache=m.new_cache(n, self.capacity),
                        tokens=torch.zeros(n, dtype=torch.long, device=m.device),
                        pos=torch.zeros(1, dtype=torch.long, device=m.device),
-                       h=torch.zeros(cfg.num_lanes, n, cfg.hidden_size, dtype=m.dtype, device=m.device))
+                       h=torch.zeros(len(m.lanes), n, cfg.hidden_size, dtype=m.dtype, device=m.device))
             self.batches[n] = b
         return b
 
@@ -153,27 +158,41 @@ class StaticDecoder:
         return ops.decode_attention(q, kc, vc, pos, window, impl=self.impl, config=config)
 
     def _reduce(self, i: int, kind: str, h: Tensor, x: Tensor, saved: dict, next_norm: Tensor | None):
-        """h += what layer i's sub-block adds (spec §1.6), in place; returns the next sub-block's normed input."""
-        cfg = self.cfg
+        """h += what layer i's sub-block adds (spec §1.6), in place; returns the next sub-block's normed input.
+
+        All lanes here: the lane sums are computed inside the residual kernel. On a DTP rank the sums come
+        from the comm: issued right after the partial exists, waited for d layers later, as in `LaneModel`.
+        """
+        cfg, comm = self.cfg, self.model.comm
         mode, future = cfg.reduce_mode(i, kind), cfg.broadcasts_to_future(i, kind)
-        kw = dict(out=h, impl=self.impl, want_sum=future, eps=cfg.norm_eps)
+        kw = dict(out=h, impl=self.impl, want_sum=future and self.local, eps=cfg.norm_eps)
         if next_norm is not None:
             kw["norm_weight"] = self._norm(next_norm)
+        issued = None
         if mode == PRESENT:
             kw["present"] = True
-        elif mode == NO_REDUCE:
-            kw["scale"] = math.sqrt(cfg.num_lanes)
-        elif cfg.consumes_past(i, kind):
-            past, total_old = saved.pop((kind, i - cfg.broadcast_delay))
-            kw.update(past=past, total_old=total_old)
+            if not self.local:
+                kw["total"] = comm.lane_sum(x)[0]  # blocking: the all-reduce now
+        else:
+            if future and not self.local:
+                issued = comm.start_lane_sum(x)  # issue point
+            if mode == NO_REDUCE:
+                kw["scale"] = math.sqrt(cfg.num_lanes)
+            elif cfg.consumes_past(i, kind):
+                past, handle = saved.pop((kind, i - cfg.broadcast_delay))
+                total_old = handle if self.local else comm.wait(handle)[0]  # wait point
+                kw.update(past=past, total_old=total_old)
         _, total, normed = ops.residual_update(h, x, **kw)
         if future:
-            saved[kind, i] = (x, total)
+            if self.local:
+                saved[kind, i] = (x, total if total is not None else x.sum(0))
+            else:
+                saved[kind, i] = (x, comm.ready(kw["total"].unsqueeze(0)) if mode == PRESENT else issued)
         return normed
 
     def _forward(self, b: _Batch) -> Tensor:
         m, cfg = self.model, self.cfg
-        L, n, D = cfg.num_lanes, b.n, cfg.hidden_size
+        L, n, D = len(m.lanes), b.n, cfg.hidden_size
         hq, hd = cfg.heads_per_lane, cfg.head_dim
         impl = self.impl
         h = b.h
@@ -188,7 +207,7 @@ class StaticDecoder:
             y = ops.swiglu(gu.view(L * n, -1), impl=impl).view(L, n, -1)
             nxt = m.layers[i + 1].attn_norm if i + 1 < len(m.layers) else None
             x = self._reduce(i, "mlp", h, self._linear(y, w.w2), saved, nxt)
-        if cfg.lm_head_type == "replicate" and not cfg.pre_norm_lane_agg:  # the common head, through the norm kernel
+        if self.local and cfg.lm_head_type == "replicate" and not cfg.pre_norm_lane_agg:  # through the norm kernel
             hn = ops.rms_norm(h.view(L * n, D), self._norm(m.norm), cfg.norm_eps, impl=impl).view(L, n, D)
             y = hn.sum(0) / L if L > 1 else hn[0]
             return (y @ m.head_weight.T).float()

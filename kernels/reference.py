@@ -89,19 +89,21 @@ def swiglu(gate_up: Tensor) -> Tensor:
 def residual_update(h: Tensor, x: Tensor, *, present: bool = False, scale: float = 1.0,
                     total_old: Tensor | None = None, past: Tensor | None = None, want_sum: bool = False,
                     norm_weight: Tensor | None = None, eps: float = 1e-5,
-                    norm_dtype: torch.dtype | None = None,
-                    out: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+                    norm_dtype: torch.dtype | None = None, out: Tensor | None = None,
+                    total: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """The delayed residual update of spec §1.6 for all lanes at once, with the next sub-block's norm.
 
     h, x, past: [L, B, D]; total_old: [B, D] (the lane sum of `past`, issued d layers ago). Adds to h:
       present      Σ_lanes x                      (PRESENT: the all-reduce now)
       total_old    x + (total_old - past)         (PAST: own partial + the other lanes' from layer i - d)
       otherwise    scale * x                      (NO_REDUCE: scale = √L; a PAST layer with nothing to consume: 1)
-    `out` (may be h itself) receives the new h. Returns (new h, Σ_lanes x if present or want_sum (the sum to issue for layer i + d), RMSNorm of the
+    `out` (may be h itself) receives the new h. `total` [B, D]: with `present`, the lane sum computed
+    elsewhere (a DTP rank's all-reduce over every rank's lanes) instead of this tensor's own lanes. Returns (new h, Σ_lanes x if present or want_sum (the sum to issue for layer i + d), RMSNorm of the
     new h by norm_weight [D] / [L, D] cast to norm_dtype, or None).
     """
     L, B, D = h.shape
-    total = x.sum(0) if (present or want_sum) else None
+    if total is None or not present:  # an external total: the sum over every rank's lanes (DTP)
+        total = x.sum(0) if (present or want_sum) else None
     if present:
         add = total.unsqueeze(0)
     elif total_old is not None:

@@ -283,7 +283,7 @@ def swiglu(gate_up: Tensor) -> Tensor:
 def _residual_kernel(h_ptr, x_ptr, told_ptr, past_ptr, sum_ptr, nw_ptr, normed_ptr,
                      B, D, scale, eps, nw_lane_stride, L: tl.constexpr,
                      PRESENT: tl.constexpr, HAS_PAST: tl.constexpr, SCALED: tl.constexpr,
-                     WANT_SUM: tl.constexpr, NORM: tl.constexpr, BLOCK_D: tl.constexpr):
+                     WANT_SUM: tl.constexpr, NORM: tl.constexpr, EXT_TOTAL: tl.constexpr, BLOCK_D: tl.constexpr):
     b = tl.program_id(0)
     lane = tl.program_id(1)
     o = tl.arange(0, BLOCK_D)
@@ -291,7 +291,9 @@ def _residual_kernel(h_ptr, x_ptr, told_ptr, past_ptr, sum_ptr, nw_ptr, normed_p
     dt = h_ptr.dtype.element_ty
     row = (lane * B + b) * D
     x = tl.load(x_ptr + row + o, mask=m, other=0.0).to(tl.float32)
-    if PRESENT or WANT_SUM:
+    if EXT_TOTAL:  # PRESENT with the sum over every rank's lanes given (told_ptr)
+        s = tl.load(told_ptr + b * D + o, mask=m, other=0.0).to(tl.float32)
+    elif PRESENT or WANT_SUM:
         s = tl.zeros([BLOCK_D], dtype=tl.float32)
         for ll in tl.static_range(L):  # every program sums the lanes itself (no cross-program dependency)
             s += tl.load(x_ptr + (ll * B + b) * D + o, mask=m, other=0.0).to(tl.float32)
@@ -322,7 +324,7 @@ def _residual_kernel(h_ptr, x_ptr, told_ptr, past_ptr, sum_ptr, nw_ptr, normed_p
 def residual_update(h: Tensor, x: Tensor, *, present: bool = False, scale: float = 1.0,
                     total_old: Tensor | None = None, past: Tensor | None = None, want_sum: bool = False,
                     norm_weight: Tensor | None = None, eps: float = 1e-5,
-                    norm_dtype: torch.dtype | None = None, out: Tensor | None = None):
+                    norm_dtype: torch.dtype | None = None, out: Tensor | None = None, total: Tensor | None = None):
     """As `reference.residual_update`; updates `out` (default: a copy of h) in place and returns it."""
     L, B, D = h.shape
     if out is None:
@@ -332,19 +334,23 @@ def residual_update(h: Tensor, x: Tensor, *, present: bool = False, scale: float
     assert out.is_contiguous()
     x = x.contiguous()
     has_past = total_old is not None and not present
-    total = torch.empty(B, D, dtype=h.dtype, device=h.device) if (present or want_sum) else None
+    ext_total = present and total is not None
+    if ext_total:
+        total_old, want_sum = total.contiguous(), False
+    else:
+        total = torch.empty(B, D, dtype=h.dtype, device=h.device) if (present or want_sum) else None
     normed = None
     if norm_weight is not None:
         normed = torch.empty(L, B, D, dtype=norm_dtype or h.dtype, device=h.device)
         norm_weight = norm_weight.contiguous()
     dummy = out
     _residual_kernel[(B, L)](
-        out, x, total_old.contiguous() if has_past else dummy, past.contiguous() if has_past else dummy,
-        total if total is not None else dummy, norm_weight if norm_weight is not None else dummy,
+        out, x, total_old.contiguous() if (has_past or ext_total) else dummy, past.contiguous() if has_past else dummy,
+        total if (total is not None and not ext_total) else dummy, norm_weight if norm_weight is not None else dummy,
         normed if normed is not None else dummy, B, D, float(scale), float(eps),
         D if (norm_weight is not None and norm_weight.dim() == 2) else 0, L=L,
-        PRESENT=bool(present), HAS_PAST=has_past, SCALED=scale != 1.0, WANT_SUM=total is not None,
-        NORM=norm_weight is not None, BLOCK_D=_pow2(D), num_warps=4)
+        PRESENT=bool(present), HAS_PAST=has_past, SCALED=scale != 1.0, WANT_SUM=total is not None and not ext_total,
+        NORM=norm_weight is not None, EXT_TOTAL=ext_total, BLOCK_D=_pow2(D), num_warps=4)
     return out, total, normed
 
 

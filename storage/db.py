@@ -10,6 +10,7 @@ deadlock on upgrading to write (SQLITE_BUSY that no timeout can cure).
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from sqlalchemy import Engine, create_engine, event
@@ -81,11 +82,21 @@ def _migrate(engine: Engine, action: str, revision: str) -> str | None:
     from alembic import command
     from alembic.runtime.migration import MigrationContext
 
+    from sqlalchemy.exc import OperationalError
+
     cfg = alembic_config()
-    with engine.execution_options(**WRITE).begin() as conn:
-        cfg.attributes["connection"] = conn
-        getattr(command, action)(cfg, revision)
-        return MigrationContext.configure(conn).get_current_revision()
+    for attempt in range(5):
+        try:
+            with engine.execution_options(**WRITE).begin() as conn:
+                cfg.attributes["connection"] = conn
+                getattr(command, action)(cfg, revision)
+                return MigrationContext.configure(conn).get_current_revision()
+        except OperationalError as e:
+            # SQLite can answer "locked" without waiting out the busy timeout while several fresh
+            # connections switch the file to WAL at once; the transaction rolled back whole: try again.
+            if "database is locked" not in str(e) or attempt == 4:
+                raise
+            time.sleep(0.2 * (attempt + 1))
 
 
 def upgrade_engine(engine: Engine, revision: str = "head") -> str | None:

@@ -157,6 +157,18 @@ def test_residual_update(dtype, case, L, B, D, lane_norm):
         assert rel_err(got_s, ref_s) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_residual_update_with_a_total_from_elsewhere(dtype):
+    # a DTP rank: PRESENT adds the all-reduced sum over every rank's lanes, not its own lanes' sum
+    h, x = rnd(2, 3, 40, dtype=dtype, seed=7), rnd(2, 3, 40, dtype=dtype, seed=8)
+    total = rnd(3, 40, dtype=dtype, seed=9)
+    nw = (1 + 0.1 * rnd(40, dtype=torch.float32, seed=4)).to(dtype)
+    got_h, got_s, got_n = ops.residual_update(h, x, impl="triton", present=True, total=total, norm_weight=nw)
+    ref_h, ref_s, ref_n = reference.residual_update(h, x, present=True, total=total, norm_weight=nw)
+    assert rel_err(got_h, ref_h) <= TOL[dtype] and rel_err(got_n, ref_n) <= TOL[dtype]
+    assert rel_err(got_h, h.float() + total.float()) <= TOL[dtype] and torch.equal(got_s, total)
+
+
 def test_residual_update_in_place_without_norm():
     h, x = rnd(2, 1, 32, dtype=torch.float32, seed=5), rnd(2, 1, 32, dtype=torch.float32, seed=6)
     expect = h + x.sum(0, keepdim=True)

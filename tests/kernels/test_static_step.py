@@ -104,3 +104,21 @@ def test_a_choice_that_cannot_be_measured_keeps_the_default(tmp_path, caplog):
     assert dec.tune() == {}  # no CUDA here: both measurements fail, and say so
     assert dec.attention_config is None and not dec.fused_rope and not dec.gemv
     assert "keeping the default" in caplog.text
+
+
+@pytest.mark.slow
+def test_dtp_ranks_decode_through_the_static_step(tmp_path):
+    """World size 2 (gloo): each rank runs the static step on its lanes, the sums through its collectives."""
+    from laneplay.engine.sampling import SamplingParams
+
+    raw = tiny_laneformer_config()
+    write_checkpoint(tmp_path / "ckpt", raw, random_laneformer_tensors(raw, seed=7))
+    single = load_engine(tmp_path / "ckpt")
+    with load_engine(tmp_path / "ckpt", world_size=2, graphs=True) as dtp:
+        assert dtp.runtime.graphs
+        for kw in ({"temperature": 0.0}, {"temperature": 0.8, "n": 3, "seed": 2}):
+            params = SamplingParams(max_tokens=12, **kw)  # prompt 3 + 12 tokens: the ring of 8 wraps
+            ids, params = single.prepare("xyz", params)
+            want = [t for t, _ in single.runner.token_steps(ids, params, [5, 6, 7], single.eos_ids)]
+            got = [t for t, _ in dtp.runner.token_steps(ids, params, [5, 6, 7], dtp.eos_ids)]
+            assert got == want, kw
