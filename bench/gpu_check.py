@@ -41,8 +41,10 @@ def _bootstrap_imports() -> None:
     for name in list(sys.modules):
         if name == "laneplay" or name.startswith("laneplay."):
             del sys.modules[name]
-    folders = {"laneplay": "laneplay", "laneplay.engine": "engine", "laneplay.kernels": "kernels",
-               "laneplay.bench": "bench"}
+    import tomllib
+
+    mapping = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    folders = {name: mapping[name] for name in ("laneplay", "laneplay.engine", "laneplay.kernels", "laneplay.bench")}
     for name, folder in folders.items():
         spec = importlib.util.spec_from_file_location(name, ROOT / folder / "__init__.py",
                                                       submodule_search_locations=[str(ROOT / folder)])

@@ -185,7 +185,7 @@ class StaticDecoder:
         _, total, normed = ops.residual_update(h, x, **kw)
         if future:
             if self.local:
-                saved[kind, i] = (x, total if total is not None else x.sum(0))
+                saved[kind, i] = (x, total)  # the residual kernel summed the lanes (want_sum)
             else:
                 saved[kind, i] = (x, comm.ready(kw["total"].unsqueeze(0)) if mode == PRESENT else issued)
         return normed
