@@ -39,7 +39,7 @@ venv: $(STAMP)
 
 # uv installs the lock in seconds; if it cannot (no uv wheel, another index setup), pip installs the
 # same pinned set.
-$(STAMP): pyproject.toml $(LOCK) Makefile
+$(STAMP): pyproject.toml setup.py kernels/lowbit.c $(LOCK) Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@test -x $(UV) || $(PY) -m pip install -q "uv==$(UV_VERSION)" || true
 	@if test -x $(UV) && $(MAKE) --no-print-directory _install_uv; then :; else $(MAKE) --no-print-directory _install_pip; fi

@@ -20,7 +20,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help="local engine: checkpoint dir, .gguf, Hub id in the local cache, or the embedded default")
     p.add_argument("--device", default="cpu", help="local engine: cpu or cuda")
-    p.add_argument("--dtype", default="float32", help="local engine: float32, bfloat16 or float16")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "int8", "int4"),
+                   help="local engine weights: auto (int4 on the CPU, float32 on CUDA), float32, bfloat16, float16, int8, int4")
     p.add_argument("--world-size", type=int, default=1, help="local engine: DTP ranks")
     p.add_argument("--no-compile", action="store_true", help="local engine: run the decode step eagerly")
     p.add_argument("--db", default=None, help="database URL (default: $LANEPLAY_DATABASE_URL, else "

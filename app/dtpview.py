@@ -325,7 +325,7 @@ def prediction_html(pred: dict) -> str:
 def _idle_meters(ctx: AppContext) -> list[str]:
     info = ctx.engine.info or {}
     state = "idle" if ctx.engine.ready else "loading"
-    return [render(MeterData(state=state, device=info.get("device"), world_size=info.get("world_size"),
+    return [render(MeterData(state=state, device=info.get("device"), dtype=info.get("dtype"), world_size=info.get("world_size"),
                              note=label), elem_id, compact=True, resting=True) for _, label, elem_id in MODES]
 
 
@@ -373,6 +373,7 @@ def _finish(run: Run) -> None:
         m.tokens = per_choice.get("completion_tokens") or m.tokens
         m.source = "server"
     m.device, m.world_size = t.get("device", m.device), t.get("world_size", m.world_size)
+    m.dtype = t.get("dtype", m.dtype)
     m.state = "done"
     m.note = f"{dict((c, label) for c, label, _ in MODES)[run.collectives]} · finish: " \
              f"{per_choice.get('finish_reason') or 'stop'}"
@@ -435,7 +436,7 @@ def build(ctx: AppContext, pg: dict) -> dict:
             return
         info = ctx.engine.info or {}
         for r in runs:
-            r.meter = MeterData(state="queued", device=info.get("device"), world_size=info.get("world_size"),
+            r.meter = MeterData(state="queued", device=info.get("device"), dtype=info.get("dtype"), world_size=info.get("world_size"),
                                 note=r.meter.note)
         yield frame(runs, fresh=True)
         for r, (collectives, body, chat) in zip(runs, ab_requests(mode_value, code_text, instruction_text, n)):

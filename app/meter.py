@@ -24,6 +24,7 @@ class MeterData:
     ms_per_token: float | None = None
     elapsed_ms: float = 0.0
     device: str | None = None
+    dtype: str | None = None  # the weight path that runs (int4, float32, ...)
     world_size: int | None = None
     latencies_ms: list[float] = field(default_factory=list)
     source: str = "server"
@@ -42,12 +43,14 @@ def render(d: MeterData, elem_id: str = "meter", compact: bool = False, resting:
     where = ""
     if d.device:
         where = f"{d.device} × {d.world_size}" if d.world_size else d.device
+        if d.dtype:
+            where += f" · {d.dtype}"
     attrs = {
         "id": elem_id, "class": "lp-meter" + (" lp-compact" if compact else ""), "data-state": d.state,
         "data-tokens": str(d.tokens), "data-tps": "" if d.tps is None else f"{d.tps:.2f}",
         "data-ttft-ms": "" if d.ttft_ms is None else f"{d.ttft_ms:.1f}",
         "data-ms-per-token": "" if d.ms_per_token is None else f"{d.ms_per_token:.2f}",
-        "data-elapsed-ms": f"{d.elapsed_ms:.0f}", "data-source": d.source,
+        "data-elapsed-ms": f"{d.elapsed_ms:.0f}", "data-source": d.source, "data-dtype": d.dtype or "",
         "data-latencies": ",".join(f"{x:.1f}" for x in lat),
     }
     if resting:

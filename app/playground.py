@@ -51,7 +51,7 @@ def idle_meter(ctx: AppContext) -> str:
     info = e.info or {}
     if not e.ready:
         return render(MeterData(state="loading", note=e.detail), resting=True)
-    return render(MeterData(state="idle", device=info.get("device"), world_size=info.get("world_size"),
+    return render(MeterData(state="idle", device=info.get("device"), dtype=info.get("dtype"), world_size=info.get("world_size"),
                             source="server" if info.get("laneplay", True) else "app"), resting=True)
 
 
@@ -173,7 +173,7 @@ def build(ctx: AppContext, session_id: gr.State) -> dict:
         info = ctx.engine.info or {}
         body, chat = request_body(mode_value, code_text, instruction_text, params, None)
         timer = StreamTimer()
-        meter_data = MeterData(state="queued", device=info.get("device"), world_size=info.get("world_size"),
+        meter_data = MeterData(state="queued", device=info.get("device"), dtype=info.get("dtype"), world_size=info.get("world_size"),
                                source="server" if info.get("laneplay", True) else "app")
         finish, server_timing, failure, usage = None, None, None, None
         last_push = 0.0
@@ -235,6 +235,7 @@ def build(ctx: AppContext, session_id: gr.State) -> dict:
             meter_data.tokens = t.get("completion_tokens", meter_data.tokens) or meter_data.tokens
             meter_data.source = "server"
             meter_data.device = server_timing.get("device", meter_data.device)
+            meter_data.dtype = server_timing.get("dtype", meter_data.dtype)
             meter_data.world_size = server_timing.get("world_size", meter_data.world_size)
             ctx.single_ms_per_token = meter_data.ms_per_token or ctx.single_ms_per_token  # Side by side's reference
         else:

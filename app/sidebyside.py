@@ -276,6 +276,7 @@ def _apply_server(c: Column, t: dict, timing: dict | None) -> None:
     m.tokens = t.get("completion_tokens") or m.tokens
     m.source = "server"
     m.device = (timing or {}).get("device", m.device)
+    m.dtype = (timing or {}).get("dtype", m.dtype)
     m.world_size = (timing or {}).get("world_size", m.world_size)
 
 
@@ -503,7 +504,7 @@ def build(ctx: AppContext, session_id: gr.State, pg: dict, tabs: gr.Tabs) -> dic
         batched = info.get("laneplay", True) is not False
         source = "server" if batched else "app"
         for c in columns:
-            c.meter = MeterData(state="queued", device=info.get("device"), world_size=info.get("world_size"),
+            c.meter = MeterData(state="queued", device=info.get("device"), dtype=info.get("dtype"), world_size=info.get("world_size"),
                                 source=source)
         yield frame(columns, n, agg_html=aggregate_html(None, ctx.single_ms_per_token, "running"), sid=sid,
                     run=runs, fresh=True)

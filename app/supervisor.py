@@ -83,7 +83,7 @@ class LocalEngine(Engine):
     """Runs `laneplay engine` on a free loopback port and keeps it running: when the process dies the
     state says so, and it is started again after a backoff (1 s, 2 s, 4 s ... at most 30 s)."""
 
-    def __init__(self, model: str, device: str = "cpu", dtype: str = "float32", world_size: int = 1,
+    def __init__(self, model: str, device: str = "cpu", dtype: str = "auto", world_size: int = 1,
                  compile: bool = True, extra_args: list[str] | None = None):
         super().__init__()
         self.model, self.device, self.dtype, self.world_size = model, device, dtype, world_size

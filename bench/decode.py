@@ -61,29 +61,33 @@ def hf_run(model, ids, new_tokens):
 
 
 def bytes_per_token(eng, prompt_len: int, new_tokens: int) -> dict:
-    """Weights read per decode step (all layers, final norm, the head, one embedding row) + mean KV."""
+    """Weights read per decode step (all layers, final norm, the head, one embedding row) + mean KV,
+    as this engine holds them (float, half, or packed low-bit blocks with their scales)."""
     m = eng.model
-    nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
-    weights = sum(nbytes(t) for lw in m.layers for t in vars(lw).values()) + nbytes(m.norm) + nbytes(m.head_weight)
+    weights = sum(t.nbytes for lw in m.layers for t in vars(lw).values()) + m.norm.nbytes + m.head_weight.nbytes
     weights += m.embed.shape[1] * m.embed.element_size()
     cfg = eng.cfg
     kv_per_pos = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * m.embed.element_size()
     mean_pos = prompt_len + new_tokens / 2
-    return {"weights": weights, "kv_mean": kv_per_pos * mean_pos}
+    float32 = sum(t.numel() for lw in m.layers for t in vars(lw).values()) + m.norm.numel() + m.head_weight.numel()
+    float32 = 4 * (float32 + m.embed.shape[1])
+    return {"weights": weights, "float32_weights": float32, "kv_mean": kv_per_pos * mean_pos}
 
 
 def matvec_only_tps(eng, reps: int = 5) -> float:
     """Tokens/s if a decode step were only its weight matrix-vector products (this machine's BLAS)."""
+    from laneplay.engine.model import lane_linear, linear
+
     m = eng.model
     mats = [w for lw in m.layers for w in (lw.wqkv, lw.wo, lw.w13, lw.w2)]
     with torch.inference_mode():
-        xs = [torch.randn(w.shape[0], 1, w.shape[2], dtype=w.dtype) for w in mats]
+        xs = [torch.randn(w.shape[0], 1, 1, w.shape[2], dtype=w.dtype) for w in mats]
         head_x = torch.randn(1, m.head_weight.shape[-1], dtype=m.dtype)
 
         def step():
             for x, w in zip(xs, mats):
-                torch.bmm(x, w.transpose(1, 2))
-            head_x @ m.head_weight.T
+                lane_linear(x, w)
+            linear(head_x, m.head_weight)
 
         step()
         times = []
@@ -170,6 +174,8 @@ def main(argv=None) -> int:
     p.add_argument("--ours", default="compiled,eager", help="our float32 engine: compiled and/or eager")
     p.add_argument("--half", default="bfloat16,float16",
                    help="extra dtypes to run our compiled engine in ('' for none); the peers stay as they are")
+    p.add_argument("--lowbit", default="int4,int8",
+                   help="our low-bit CPU paths to run ('' for none): int4 (the CPU default), int8")
     p.add_argument("--samples", default="2,4,8,16", help="batched samples n to time against batch 1 ('' for none)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--bandwidth-gib", type=float, default=1.0, help="size of the bandwidth probe (DRAM: >= 0.25)")
@@ -179,7 +185,8 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     peers = [x for x in _csv(args.peers) if not (args.no_hf and x == "transformers")]
-    unknown = set(peers) - {"transformers", "llama.cpp"} | set(_csv(args.ours)) - {"compiled", "eager"}
+    unknown = (set(peers) - {"transformers", "llama.cpp"} | set(_csv(args.ours)) - {"compiled", "eager"}
+               | set(_csv(args.lowbit)) - {"int4", "int8"})
     if unknown or args.rounds < 1 or args.new_tokens < 2:
         p.error(f"unknown peer or engine {sorted(unknown)}" if unknown else "--rounds >= 1 and --new-tokens >= 2")
     from laneplay.engine import load_engine
@@ -192,6 +199,8 @@ def main(argv=None) -> int:
     compile_s = time.perf_counter() - t
     for dt in _csv(args.half):
         ours[f"ours (compiled, {dt})"] = load_engine("smollm2-135m-instruct", dtype=dt, compile=True)
+    for dt in _csv(args.lowbit):
+        ours[f"ours ({dt})"] = load_engine("smollm2-135m-instruct", dtype=dt)
     first = next(iter(ours.values()))
     prompts = {}
     for name in _csv(args.prompts):
@@ -228,7 +237,9 @@ def main(argv=None) -> int:
                                                            for k, v in runs.items() if v))
     bw_after = measure_bandwidth(args.bandwidth_gib)
     quiet.append(check_quiet(True, "after"))
-    base = ours.get("ours (compiled)") or first
+    from laneplay.engine.runtime import CPU_DEFAULT
+
+    base = ours.get(f"ours ({CPU_DEFAULT})") or ours.get("ours (compiled)") or first  # the default CPU path
     matvec_tps = {f"{name}": matvec_only_tps(e) for name, e in ours.items() if "eager" not in name}
     read_gbps = (bw["read_gbps"] + bw_after["read_gbps"]) / 2
     gguf_bytes = None
@@ -238,10 +249,11 @@ def main(argv=None) -> int:
         gguf_bytes = resolve_checkpoint("smollm2-135m-instruct").stat().st_size
     rows = []
     for (name, pname), rs in runs.items():
-        b = bytes_per_token(base, len(prompts[pname]), args.new_tokens)
-        scale = 0.5 if "float16" in name else 1.0  # bytes per weight relative to float32
-        weights = gguf_bytes if name.startswith("llama.cpp") else scale * b["weights"]
-        kv = b["kv_mean"] * (0.5 if name.startswith("llama.cpp") else scale)  # llama.cpp keeps an f16 cache
+        own = ours.get(name)
+        b = bytes_per_token(own or first, len(prompts[pname]), args.new_tokens)
+        # peers: llama.cpp reads the GGUF as shipped, transformers the weights dequantized to float32
+        weights = b["weights"] if own is not None else gguf_bytes if name.startswith("llama.cpp") else b["float32_weights"]
+        kv = b["kv_mean"] * (0.5 if own is None and name.startswith("llama.cpp") else 1.0)  # its cache is f16
         tps = median([r["decode_tps"] for r in rs])
         rows.append({"engine": name, "prompt": pname, "prompt_tokens": len(prompts[pname]), "new": args.new_tokens,
                      "ttft_ms": median([r["ttft_ms"] for r in rs]), "decode_tps": tps,

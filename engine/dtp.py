@@ -225,12 +225,16 @@ class Rank:
                                    head_rows=rows if cfg.lm_head_type == "replicate" else None)
         finally:
             src.close()
+        if runtime.weight_format:  # each rank packs its own slices
+            from laneplay.kernels.lowbit import pack_weights
+
+            weights = pack_weights(weights, runtime.weight_format)
         self.comm = DistLanes(cfg, rank, world, rows, wait_now=wait_now, record=record,
                               stop_requested=self._cancel_requested)
         self.comm.device = runtime.torch_device
         self.runner = LocalRunner(LaneModel(cfg, weights, lanes, self.comm), runtime)
-        self.layer_bytes = sum(t.numel() * t.element_size() for k, t in weights.items() if k.startswith("layers."))
-        self.head_bytes = weights["head"].numel() * weights["head"].element_size()
+        self.layer_bytes = sum(t.nbytes for k, t in weights.items() if k.startswith("layers."))
+        self.head_bytes = weights["head"].nbytes
         self.lanes, self.rows = lanes, rows
 
     def info(self) -> dict:

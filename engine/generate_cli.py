@@ -5,6 +5,7 @@ import argparse
 import sys
 
 from laneplay.engine.checkpoint import DEFAULT_MODEL
+from laneplay.engine.runtime import DTYPE_CHOICES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,7 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--n", type=int, default=1, help="number of samples (printed one after another)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="weights: auto (int4 on the CPU, float32 on CUDA), float32, bfloat16, float16, int8, int4")
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly (default: compiled on CPU at world size 1)")
     p.add_argument("--no-cuda-graphs", action="store_true",

@@ -23,6 +23,9 @@ def load_engine(model: str | os.PathLike = "smollm2-135m-instruct", device: str 
                 graphs="auto", **options) -> Engine:
     """Load a checkpoint (HF directory, .gguf, Hub id in the local cache, or the embedded default).
 
+    dtype: float32, bfloat16, float16, or on the CPU the low-bit weight paths int4 / int8 (projections
+    packed, float32 everywhere else; `kernels.lowbit`), or "auto" (int4 on the CPU, float32 elsewhere).
+
     graphs: "auto" (the static CUDA-graph decode step on CUDA at world size 1), True or False.
     compile: False (eager, the library default), True, or "auto" (what the command-line tools use:
     compiled on CPU at world size 1). kv_budget_gb: the most KV cache one request may reserve
@@ -49,6 +52,10 @@ def load_engine(model: str | os.PathLike = "smollm2-135m-instruct", device: str 
             cfg = lanes_config(cfg, world_size)  # fail on a bad split before starting any rank
         else:
             weights = load_weights(cfg, src, dtype=runtime.torch_dtype, device=runtime.torch_device)
+            if runtime.weight_format:
+                from laneplay.kernels.lowbit import pack_weights
+
+                weights = pack_weights(weights, runtime.weight_format)
     finally:
         src.close()
     if world_size > 1:

@@ -64,10 +64,19 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return y.to(x.dtype) * weight
 
 
-def lane_linear(x: Tensor, w: Tensor) -> Tensor:
-    """y[l] = x[l] @ w[l].T. x: [L, B, S, I], w: [L, O, I] -> [L, B, S, O] (spec §1.2)."""
+def lane_linear(x: Tensor, w) -> Tensor:
+    """y[l] = x[l] @ w[l].T. x: [L, B, S, I], w: [L, O, I] -> [L, B, S, O] (spec §1.2).
+
+    w may also be a packed low-bit weight (`kernels.lowbit.PackedWeight`, the CPU low-bit path)."""
+    if not isinstance(w, Tensor):
+        return w.linear(x)
     L, B, S, I = x.shape
     return torch.bmm(x.reshape(L, B * S, I), w.transpose(1, 2)).view(L, B, S, -1)
+
+
+def linear(x: Tensor, w) -> Tensor:
+    """x [..., I] @ w[O, I].T (w a tensor or a packed low-bit weight)."""
+    return x @ w.T if isinstance(w, Tensor) else w.linear(x)
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -272,10 +281,19 @@ class LaneModel(nn.Module):
         self.head_weight = weights["head"]  # [V, D] | [L, V, D] (lane) | [L, V/L, D] (vocab_parallel)
         self.dtype, self.device = self.embed.dtype, self.embed.device
         self.cos, self.sin = rope_tables(cfg, cfg.max_position_embeddings, self.device)
-        self.attention_block, self.mlp_block = decode_blocks(cfg)
+        self.lowbit = not isinstance(self.layers[0].wqkv, Tensor) if self.layers else False
+        if self.lowbit:  # packed weights (kernels.lowbit): fused low-bit decode blocks
+            from laneplay.kernels import lowbit
+
+            self.attention_block, self.mlp_block = lowbit.decode_blocks(cfg)
+        else:
+            self.attention_block, self.mlp_block = decode_blocks(cfg)
 
     def compile_blocks(self) -> None:
-        """Compile the two per-layer block functions (fused elementwise work, no Python per op)."""
+        """Compile the two per-layer block functions (fused elementwise work, no Python per op).
+        The low-bit blocks are fused C calls already: nothing to compile."""
+        if self.lowbit:
+            return
         self.attention_block = torch.compile(self.attention_block, dynamic=True)
         self.mlp_block = torch.compile(self.mlp_block, dynamic=True)
 
@@ -374,8 +392,8 @@ class LaneModel(nn.Module):
         cos, sin = self.cos[pos:pos + 1], self.sin[pos:pos + 1]
         # A layer writes slot pos (full) or pos % W (ring) and reads the filled slots: exactly the
         # visible keys, since the slot it overwrites is the one that just left the window.
-        where = {slots: (torch.tensor([pos % slots], device=self.device), min(pos + 1, slots))
-                 for slots in set(cache.slots)}
+        where = {slots: (pos % slots if self.lowbit else torch.tensor([pos % slots], device=self.device),
+                         min(pos + 1, slots)) for slots in set(cache.slots)}
         saved: dict = {}
         for i, w in enumerate(self.layers):
             slot, n = where[cache.slots[i]]
@@ -389,11 +407,11 @@ class LaneModel(nn.Module):
         cfg, comm, eps = self.cfg, self.comm, self.cfg.norm_eps
         if cfg.pre_norm_lane_agg:  # a sum over lanes, then the norm
             y = rms_norm(comm.lane_sum(h)[0], self.norm, eps)
-            return (y @ self.head_weight.T).float()
+            return linear(y, self.head_weight).float()
         hn = rms_norm(h, self.norm, eps)
         if cfg.lm_head_type == "replicate":  # norm per lane, then the mean
             y = comm.lane_sum(hn)[0] / cfg.num_lanes
-            return (y @ self.head_weight.T).float()
+            return linear(y, self.head_weight).float()
         per_lane = lane_linear(hn, self.head_weight)  # [L, B, S, V] (lane) or [L, B, S, V/L]
         if cfg.lm_head_type == "lane":
             return comm.lane_sum(per_lane)[0].float()

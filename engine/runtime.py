@@ -13,15 +13,22 @@ import torch
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
+# Weight-only low-bit paths (CPU, `kernels.lowbit`): projections packed as int8 or 4-bit blocks, the LM
+# head as int8, everything else (activations, KV cache, norms) float32.
+LOWBIT = ("int4", "int8")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", *LOWBIT)
+# What "auto" picks on the CPU at world size 1 when the low-bit kernels are built, chosen by measurement
+# (bench/results/lowbit-quality.json and decode-cpu.json): the fastest path whose quality holds.
+CPU_DEFAULT = "int4"
 
 
 def parse_dtype(dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
-            raise ValueError(f"dtype {dtype} is not supported; use one of float32, bfloat16, float16")
+            raise ValueError(f"dtype {dtype} is not supported; use one of {', '.join(DTYPE_CHOICES)}")
         return dtype
     if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not supported; use one of float32, bfloat16, float16")
+        raise ValueError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPE_CHOICES)}")
     return DTYPES[dtype]
 
 
@@ -44,7 +51,7 @@ class Runtime:
     """Everything about how the model runs, in plain values (it crosses process boundaries)."""
 
     device: str  # "cpu", "cuda" or "cuda:i"; a DTP rank runs on `rank_device(rank)`
-    dtype: str  # "float32" | "bfloat16" | "float16"
+    dtype: str  # "float32" | "bfloat16" | "float16" | "int8" | "int4" (low-bit weights, float32 compute)
     world_size: int = 1
     backend: str | None = None  # torch.distributed backend of the DTP ranks: "gloo" (CPU) or "nccl" (CUDA)
     threads: int = 1  # intra-op threads per process (each rank gets its share of the cores)
@@ -59,7 +66,13 @@ class Runtime:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        """The dtype activations, the KV cache and unpacked weights use."""
+        return torch.float32 if self.dtype in LOWBIT else DTYPES[self.dtype]
+
+    @property
+    def weight_format(self) -> str | None:
+        """"int8" / "int4" when the projections are packed low-bit weights, else None."""
+        return self.dtype if self.dtype in LOWBIT else None
 
     def rank_device(self, rank: int) -> str:
         """Rank r's device: one GPU per rank on CUDA, the CPU otherwise."""
@@ -100,7 +113,20 @@ def make_runtime(device: str | torch.device | None = "cpu", dtype="float32", wor
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    dev, dt = parse_device(device), parse_dtype(dtype)
+    dev = parse_device(device)
+    if dtype == "auto":  # the measured CPU default; float32 elsewhere (and without the kernels)
+        from laneplay.kernels import lowbit
+
+        dtype = CPU_DEFAULT if dev.type == "cpu" and lowbit.available() else "float32"
+    if dtype in LOWBIT:
+        from laneplay.kernels import lowbit
+
+        if dev.type != "cpu":
+            raise ValueError(f"dtype {dtype!r} (low-bit weights) runs on the CPU only; on CUDA use float16 or bfloat16")
+        lowbit.require()
+        dt = torch.float32
+    else:
+        dt = parse_dtype(dtype)
     if dev.type == "cuda" and world_size > 1 and torch.cuda.device_count() < world_size:
         raise ValueError(f"world_size {world_size} needs {world_size} GPUs, this machine has "
                          f"{torch.cuda.device_count()}")
@@ -124,7 +150,11 @@ def make_runtime(device: str | torch.device | None = "cpu", dtype="float32", wor
         raise ValueError(f"graphs must be True, False or 'auto', got {graphs!r}")
     if graphs == "auto":
         graphs = dev.type == "cuda" and world_size == 1
-    name = next(k for k, v in DTYPES.items() if v == dt and "fp" not in k and k != "bf16")
+    if dtype in LOWBIT:
+        compile = False  # the low-bit decode blocks are already fused C calls; nothing to compile
+        if graphs:
+            raise ValueError("the static decode step (graphs=True) does not run low-bit weights")
+    name = dtype if dtype in LOWBIT else next(k for k, v in DTYPES.items() if v == dt and "fp" not in k and k != "bf16")
     backend = ("nccl" if dev.type == "cuda" else "gloo") if world_size > 1 else None
     return Runtime(device=str(dev), dtype=name, world_size=world_size, backend=backend, threads=threads,
                    compile=bool(compile), kv_budget_bytes=kv_budget, prefill_chunk=prefill_chunk,

@@ -232,6 +232,11 @@ def _ms(x: float | None) -> float | None:
     return None if x is None else round(x, 3)
 
 
+def engine_dtype(engine) -> str | None:
+    """Which weight path runs (float32, float16, bfloat16, int8, int4): the meter shows it."""
+    return getattr(getattr(engine, "runtime", None), "dtype", None)
+
+
 def choice_timing(index: int, m) -> dict:
     return {"index": index, "ttft_ms": _ms(m.ttft_ms), "decode_tokens_per_second": _ms(m.decode_tokens_per_second),
             "ms_per_token": _ms(m.ms_per_token), "total_ms": _ms(m.total_ms), "completion_tokens": m.completion_tokens,
@@ -273,7 +278,7 @@ class Reply:
 
     def timing(self) -> dict:
         per_choice = [choice_timing(i, m) for i, m in sorted(self.job.finals.items())]
-        out = {**request_timing(self.job), "device": str(self.engine.device),
+        out = {**request_timing(self.job), "device": str(self.engine.device), "dtype": engine_dtype(self.engine),
                "world_size": getattr(self.engine, "world_size", 1), "per_choice": per_choice}
         if self.job.dtp is not None:  # the request's own DTP settings: what ran, and its timeline
             out["collectives"] = self.job.collectives
@@ -565,7 +570,7 @@ def create_app(engine, *, api_key: str | None = None, max_queue: int = 32, reque
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": served, "queue_depth": scheduler.depth, "busy": scheduler.busy,
-                "max_queue": scheduler.max_queue, "device": str(engine.device),
+                "max_queue": scheduler.max_queue, "device": str(engine.device), "dtype": engine_dtype(engine),
                 "world_size": getattr(engine, "world_size", 1), "context_length": context,
                 "model_config": model_config}
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from laneplay.engine.checkpoint import DEFAULT_MODEL
+from laneplay.engine.runtime import DTYPE_CHOICES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -16,7 +17,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name",
                    help="the model id clients see (default: --model, or the checkpoint's own name for a path)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="weights: auto (int4 on the CPU, float32 on CUDA), float32, bfloat16, float16, int8, int4")
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)

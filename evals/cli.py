@@ -39,7 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine-url", default=None, help="use an engine server (OpenAI-compatible API) instead of "
                    "loading the model here, e.g. http://127.0.0.1:8000")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "int8", "int4"),
+                   help="weights: auto (int4 on the CPU), float32 (exact), bfloat16, float16, int8, int4")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="compile the CPU decode step (faster decode, about a minute of warm-up)")
     p.add_argument("--out", default=None, help="folder for samples.jsonl and summary.json "

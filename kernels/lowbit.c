@@ -1,0 +1,472 @@
+/* Weight-only low-bit matrix products for the CPU decode path (`laneplay.kernels.lowbit`).
+ *
+ * A weight matrix [N, K] is kept packed in blocks of 32 along K (K padded with zeros to Kp):
+ *   q8: int8 codes qs[N, Kp] and one fp16 scale per block d[N, S]                 w = d * q
+ *   q4: 4-bit codes qs[N, Kp/2] (block b's 16 bytes hold element j in the low nibble and
+ *       element j + 16 in the high nibble), fp16 scale d and fp16 minimum m per block  w = d * q + m
+ * where S = Kp/32 rounded up to a multiple of 8 (the padding scales are zero), so the kernels read
+ * scales 8 at a time with no tail.
+ * The activations are quantized per call to int8 blocks of 32 (scale = max|x| / 127), and each
+ * block's dot product is an integer sum scaled once, so a token streams ~0.56 (q4) or ~1.06 (q8)
+ * bytes per weight instead of 4. AVX2 kernels where the CPU has them, portable C otherwise; rows
+ * are shared out over OpenMP threads (torch's own pool: torch has loaded libgomp before us).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define LP_X86 1
+#endif
+
+#define QK 32
+#define SPAD(nb) (((nb) + 7) / 8 * 8) /* scales per row */
+enum { FMT_Q8 = 0, FMT_Q4 = 1 };
+
+static inline float h2f(uint16_t h) { _Float16 v; memcpy(&v, &h, 2); return (float)v; }
+static inline uint16_t f2h(float f) { _Float16 v = (_Float16)f; uint16_t h; memcpy(&h, &v, 2); return h; }
+
+/* ---- packing ------------------------------------------------------------------------------- */
+
+/* One row of K floats -> Kp/32 blocks. Codes are computed against the fp16-rounded scale (and
+ * minimum), so a row that already holds exactly representable values (a GGUF Q8_0 / Q4_1 tensor
+ * dequantized to float) packs back to the same codes. */
+static void pack_row(int fmt, const float *x, int64_t K, int64_t Kp, int8_t *qs, uint16_t *d, uint16_t *m) {
+    float buf[QK];
+    for (int64_t b = Kp / QK; b < SPAD(Kp / QK); b++) {
+        d[b] = 0;
+        if (m) m[b] = 0;
+    }
+    for (int64_t b = 0; b < Kp / QK; b++) {
+        for (int j = 0; j < QK; j++) buf[j] = (b * QK + j < K) ? x[b * QK + j] : 0.0f;
+        if (fmt == FMT_Q8) {
+            float amax = 0.0f;
+            for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(buf[j]));
+            uint16_t dh = f2h(amax / 127.0f);
+            float df = h2f(dh), id = df != 0.0f ? 1.0f / df : 0.0f;
+            d[b] = dh;
+            for (int j = 0; j < QK; j++) {
+                float v = nearbyintf(buf[j] * id);
+                qs[b * QK + j] = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
+            }
+        } else {
+            float lo = buf[0], hi = buf[0];
+            for (int j = 1; j < QK; j++) { lo = fminf(lo, buf[j]); hi = fmaxf(hi, buf[j]); }
+            uint16_t mh = f2h(lo);
+            float mf = h2f(mh);
+            uint16_t dh = f2h((hi - mf) / 15.0f);
+            float df = h2f(dh), id = df != 0.0f ? 1.0f / df : 0.0f;
+            d[b] = dh;
+            m[b] = mh;
+            uint8_t *out = (uint8_t *)qs + b * (QK / 2);
+            for (int j = 0; j < QK / 2; j++) {
+                float v0 = nearbyintf((buf[j] - mf) * id), v1 = nearbyintf((buf[j + QK / 2] - mf) * id);
+                int c0 = (int)(v0 < 0 ? 0 : v0 > 15 ? 15 : v0), c1 = (int)(v1 < 0 ? 0 : v1 > 15 ? 15 : v1);
+                out[j] = (uint8_t)(c0 | (c1 << 4));
+            }
+        }
+    }
+}
+
+/* ---- activations: float rows -> int8 blocks (scale, and scale * sum of codes for q4's minimum) ---- */
+
+static void quantize_act(const float *x, int64_t K, int64_t Kp, int8_t *q, float *d, float *s) {
+    for (int64_t b = Kp / QK; b < SPAD(Kp / QK); b++) d[b] = s[b] = 0.0f;
+    for (int64_t b = 0; b < Kp / QK; b++) {
+        float buf[QK], amax = 0.0f;
+        for (int j = 0; j < QK; j++) {
+            buf[j] = (b * QK + j < K) ? x[b * QK + j] : 0.0f;
+            amax = fmaxf(amax, fabsf(buf[j]));
+        }
+        float df = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
+        int sum = 0;
+        for (int j = 0; j < QK; j++) {
+            int v = (int)nearbyintf(buf[j] * id);
+            q[b * QK + j] = (int8_t)v;
+            sum += v;
+        }
+        d[b] = df;
+        s[b] = df * (float)sum;
+    }
+}
+
+/* ---- dot products of up to 4 packed rows with one activation row ------------------------------
+ * Rows r < R start at qs + r * row_bytes, wd + r * SPAD(nb), wm + r * SPAD(nb). */
+
+#define MAXR 4
+
+static void dot_generic(int fmt, int64_t nb, int64_t row_bytes, const int8_t *qs, const uint16_t *wd,
+                        const uint16_t *wm, int R, const int8_t *xq, const float *xd, const float *xs, float *out) {
+    int64_t ns = SPAD(nb);
+    for (int r = 0; r < R; r++) {
+        const int8_t *q = qs + r * row_bytes;
+        const uint16_t *d = wd + r * ns, *m = wm ? wm + r * ns : NULL;
+        float acc = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            int isum = 0;
+            if (fmt == FMT_Q8) {
+                for (int j = 0; j < QK; j++) isum += (int)q[b * QK + j] * (int)xq[b * QK + j];
+                acc += h2f(d[b]) * xd[b] * (float)isum;
+            } else {
+                const uint8_t *p = (const uint8_t *)q + b * (QK / 2);
+                for (int j = 0; j < QK / 2; j++)
+                    isum += (int)(p[j] & 15) * xq[b * QK + j] + (int)(p[j] >> 4) * xq[b * QK + j + QK / 2];
+                acc += h2f(d[b]) * xd[b] * (float)isum + h2f(m[b]) * xs[b];
+            }
+        }
+        out[r] = acc;
+    }
+}
+
+#ifdef LP_X86
+#define AVX2_FN __attribute__((target("avx2,fma,f16c")))
+
+AVX2_FN static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* R rows at once: the activation block is loaded once for all of them, and R independent
+ * accumulator chains keep the FMA pipes busy. Scales are converted and multiplied 8 blocks at a
+ * time (rows and activations carry zero scales up to a multiple of 8); the q4 minimum's
+ * contribution is one FMA per 8 blocks. */
+AVX2_FN static inline __attribute__((always_inline)) void
+dot_rows_avx2(const int fmt, const int R, int64_t nb, int64_t row_bytes, const int8_t *qs, const uint16_t *wd,
+              const uint16_t *wm, const int8_t *xq, const float *xd, const float *xs, float *out) {
+    const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
+    __m256 acc[MAXR], macc[MAXR];
+    const int64_t ns = SPAD(nb);
+    for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); macc[r] = _mm256_setzero_ps(); }
+    for (int64_t g = 0; g < nb; g += 8) {
+        int n8 = nb - g < 8 ? (int)(nb - g) : 8;
+        __m256 xdv = _mm256_loadu_ps(xd + g);
+        float sc[MAXR][8];
+        for (int r = 0; r < R; r++) {
+            __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + r * ns + g)));
+            _mm256_storeu_ps(sc[r], _mm256_mul_ps(dv, xdv));
+            if (fmt == FMT_Q4) {
+                __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + r * ns + g)));
+                macc[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + g), macc[r]);
+            }
+        }
+        for (int j = 0; j < n8; j++) {
+            int64_t b = g + j;
+            __m256i a = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+            for (int r = 0; r < R; r++) {
+                __m256i p;
+                if (fmt == FMT_Q8) {
+                    __m256i w = _mm256_loadu_si256((const __m256i *)(qs + r * row_bytes + b * QK));
+                    p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
+                } else {
+                    __m128i raw = _mm_loadu_si128((const __m128i *)(qs + r * row_bytes + b * (QK / 2)));
+                    __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
+                    p = _mm256_maddubs_epi16(w, a);
+                }
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)),
+                                         _mm256_broadcast_ss(&sc[r][j]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) out[r] = hsum8(acc[r]) + (fmt == FMT_Q4 ? hsum8(macc[r]) : 0.0f);
+}
+
+AVX2_FN static void dot_avx2(int fmt, int64_t nb, int64_t row_bytes, const int8_t *qs, const uint16_t *wd,
+                             const uint16_t *wm, int R, const int8_t *xq, const float *xd, const float *xs,
+                             float *out) {
+    if (fmt == FMT_Q8) {
+        if (R == 4) { dot_rows_avx2(FMT_Q8, 4, nb, row_bytes, qs, wd, wm, xq, xd, xs, out); return; }
+        for (int r = 0; r < R; r++)
+            dot_rows_avx2(FMT_Q8, 1, nb, row_bytes, qs + r * row_bytes, wd + r * SPAD(nb), NULL, xq, xd, xs, out + r);
+    } else {
+        if (R == 4) { dot_rows_avx2(FMT_Q4, 4, nb, row_bytes, qs, wd, wm, xq, xd, xs, out); return; }
+        for (int r = 0; r < R; r++)
+            dot_rows_avx2(FMT_Q4, 1, nb, row_bytes, qs + r * row_bytes, wd + r * SPAD(nb), wm + r * SPAD(nb), xq,
+                          xd, xs, out + r);
+    }
+}
+#endif
+
+typedef void (*dot_fn)(int, int64_t, int64_t, const int8_t *, const uint16_t *, const uint16_t *, int,
+                       const int8_t *, const float *, const float *, float *);
+static dot_fn DOT = dot_generic;
+static const char *KERNEL = "generic";
+
+/* ---- Python entry points (pointers and sizes as ints; the torch side owns every buffer) ----- */
+
+static int args_i64(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, int64_t *out) {
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "expected %zd arguments, got %zd", want, nargs);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        out[i] = PyLong_AsLongLong(args[i]);
+        if (out[i] == -1 && PyErr_Occurred()) return -1;
+    }
+    return 0;
+}
+
+/* pack(fmt, rows, K, Kp, src, qs, d, m): float32 [rows, K] -> packed rows */
+static PyObject *py_pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t a[8];
+    if (args_i64(args, nargs, 8, a) < 0) return NULL;
+    int fmt = (int)a[0];
+    int64_t rows = a[1], K = a[2], Kp = a[3], nb = Kp / QK;
+    const float *src = (const float *)(intptr_t)a[4];
+    int8_t *qs = (int8_t *)(intptr_t)a[5];
+    uint16_t *d = (uint16_t *)(intptr_t)a[6], *m = (uint16_t *)(intptr_t)a[7];
+    int64_t row_bytes = fmt == FMT_Q8 ? Kp : Kp / 2;
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < rows; n++)
+        pack_row(fmt, src + n * K, K, Kp, qs + n * row_bytes, d + n * SPAD(nb), fmt == FMT_Q4 ? m + n * SPAD(nb) : NULL);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* What linear() does to each input row before quantizing it. */
+enum { PRE_NONE = 0, PRE_RMSNORM = 1, PRE_SWIGLU = 2 };
+
+/* The row the product sees. RMSNorm: x * rsqrt(mean(x^2) + eps) * g (g one vector, or one per lane).
+ * SwiGLU: the input row holds [gate | up] (2K values): silu(gate) * up. */
+static const float *pre_row(int pre, const float *x, int64_t K, const float *g, float eps, float *tmp) {
+    if (pre == PRE_NONE) return x;
+    if (pre == PRE_RMSNORM) {
+        double ss = 0.0;
+        for (int64_t k = 0; k < K; k++) ss += (double)x[k] * x[k];
+        float r = 1.0f / sqrtf((float)(ss / (double)K) + eps);
+        for (int64_t k = 0; k < K; k++) tmp[k] = (x[k] * r) * g[k];
+        return tmp;
+    }
+    for (int64_t k = 0; k < K; k++) {
+        float gate = x[k];
+        tmp[k] = gate / (1.0f + expf(-gate)) * x[K + k];
+    }
+    return tmp;
+}
+
+/* linear(fmt, L, N, K, Kp, M, qs, d, m, x, y, pre, g, g_per_lane, eps):
+ *   y[l, i, n] = sum_k pre(x[l, i])[k] * w[l, n, k]
+ * x: float32 [L, M, K] ([L, M, 2K] for SwiGLU), y: float32 [L, M, N], weights packed [L, N, ...];
+ * g: the RMSNorm weight, [K] or [L, K] (g_per_lane). */
+static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t a[14];
+    if (args_i64(args, nargs - 1, 14, a) < 0) return NULL;
+    double eps = PyFloat_AsDouble(args[14]);
+    if (eps == -1.0 && PyErr_Occurred()) return NULL;
+    int fmt = (int)a[0], pre = (int)a[11], g_lanes = (int)a[13];
+    int64_t L = a[1], N = a[2], K = a[3], Kp = a[4], M = a[5], nb = Kp / QK, ns = SPAD(nb);
+    const int8_t *qs = (const int8_t *)(intptr_t)a[6];
+    const uint16_t *wd = (const uint16_t *)(intptr_t)a[7], *wm = (const uint16_t *)(intptr_t)a[8];
+    const float *x = (const float *)(intptr_t)a[9], *g = (const float *)(intptr_t)a[12];
+    float *y = (float *)(intptr_t)a[10];
+    int64_t row_bytes = fmt == FMT_Q8 ? Kp : Kp / 2, rows = L * M, xstride = pre == PRE_SWIGLU ? 2 * K : K;
+    int nthreads = omp_get_max_threads();
+    size_t q_bytes = (size_t)(rows * Kp + 63) / 64 * 64, s_bytes = 2 * sizeof(float) * (size_t)(rows * ns);
+    size_t t_bytes = pre != PRE_NONE ? sizeof(float) * (size_t)(K * nthreads) : 0;
+    int8_t *xq = (int8_t *)aligned_alloc(64, (q_bytes + s_bytes + t_bytes + 63) / 64 * 64);
+    if (!xq) return PyErr_NoMemory();
+    float *xd = (float *)(xq + q_bytes), *xs = xd + rows * ns, *tmp = xs + rows * ns;
+    Py_BEGIN_ALLOW_THREADS
+    /* Tokens are taken in tiles so that a tile's quantized rows stay in cache while the packed
+     * weights stream past them once per tile. */
+    const int64_t tile = 64;
+#pragma omp parallel num_threads(rows * N * Kp >= (1 << 16) ? nthreads : 1)
+    {
+        float *mine = tmp + (pre != PRE_NONE ? K * omp_get_thread_num() : 0);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            const float *row = pre_row(pre, x + r * xstride, K, g + (g_lanes ? (r / M) * K : 0), (float)eps, mine);
+            quantize_act(row, K, Kp, xq + r * Kp, xd + r * ns, xs + r * ns);
+        }
+        for (int64_t l = 0; l < L; l++) {
+            const int8_t *wq = qs + l * N * row_bytes;
+            const uint16_t *ld = wd + l * N * ns, *lm = fmt == FMT_Q4 ? wm + l * N * ns : NULL;
+            for (int64_t t0 = 0; t0 < M; t0 += tile) {
+                int64_t t1 = t0 + tile < M ? t0 + tile : M;
+#pragma omp for schedule(static)
+                for (int64_t n = 0; n < N; n += MAXR) {
+                    int R = (int)(N - n < MAXR ? N - n : MAXR);
+                    for (int64_t i = t0; i < t1; i++) {
+                        int64_t row = l * M + i;
+                        float out[MAXR];
+                        DOT(fmt, nb, row_bytes, wq + n * row_bytes, ld + n * ns, lm ? lm + n * ns : NULL, R,
+                            xq + row * Kp, xd + row * ns, xs + row * ns, out);
+                        for (int r = 0; r < R; r++) y[row * N + n + r] = out[r];
+                    }
+                }
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    free(xq);
+    Py_RETURN_NONE;
+}
+
+/* ---- decode attention: RoPE on q and k, this token's K/V into its cache slot, attention ------- */
+
+__attribute__((target_clones("avx2", "default")))
+static float dot_f32(const float *a, const float *b, int64_t n) {
+    float acc[8] = {0};
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int k = 0; k < 8; k++) acc[k] += a[j + k] * b[j + k];
+    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; j < n; j++) s += a[j] * b[j];
+    return s;
+}
+
+__attribute__((target_clones("avx2", "default")))
+static void axpy_f32(float *y, float a, const float *x, int64_t n) {
+    for (int64_t j = 0; j < n; j++) y[j] += a * x[j];
+}
+
+static void rope(float *v, const float *cos, const float *sin, int64_t hd) {  /* interleaved pairs */
+    for (int64_t t = 0; t < hd / 2; t++) {
+        float x0 = v[2 * t], x1 = v[2 * t + 1];
+        v[2 * t] = x0 * cos[t] - x1 * sin[t];
+        v[2 * t + 1] = x0 * sin[t] + x1 * cos[t];
+    }
+}
+
+/* attend(N, hq, hkv, hd, qkv, cos, sin, kc, vc, slots, slot, nvis, out)
+ * qkv: float32 [N, (hq + 2 hkv) hd] (this token's projections; q and k are rotated in place);
+ * kc, vc: float32 [N, hkv, slots, hd]; the token goes to `slot`, then each query head attends over
+ * slots [0, nvis) (exactly the visible keys: a ring buffer holds the last W positions in some
+ * order, and attention does not depend on the order). out: float32 [N, hq hd].
+ * Work is split over (sequence, KV head, stretch of slots); the stretches are merged by their
+ * log-sum-exp (flash-decoding), so one long sequence still uses every thread. */
+static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t a[13];
+    if (args_i64(args, nargs, 13, a) < 0) return NULL;
+    int64_t N = a[0], hq = a[1], hkv = a[2], hd = a[3], slots = a[9], slot = a[10], nvis = a[11];
+    float *qkv = (float *)(intptr_t)a[4], *kc = (float *)(intptr_t)a[7], *vc = (float *)(intptr_t)a[8];
+    const float *cos = (const float *)(intptr_t)a[5], *sin = (const float *)(intptr_t)a[6];
+    float *out = (float *)(intptr_t)a[12];
+    if (nvis < 1 || nvis > slots || slot < 0 || slot >= slots || hq % hkv) {
+        PyErr_SetString(PyExc_ValueError, "attend: bad slot, visible count or head counts");
+        return NULL;
+    }
+    int64_t rep = hq / hkv, width = (hq + 2 * hkv) * hd, units = N * hkv;
+    int nthreads = omp_get_max_threads();
+    int64_t parts = 1;  /* stretches per (sequence, KV head): enough work items for every thread */
+    while (units * parts < 2 * nthreads && nvis / (parts * 2) >= 64) parts *= 2;
+    int64_t span = (nvis + parts - 1) / parts;
+    /* per (unit, part, query head of the group): running max, sum, and the weighted values */
+    float *part = (float *)malloc(sizeof(float) * (size_t)(units * parts * rep * (hd + 2)));
+    float *scores = (float *)malloc(sizeof(float) * (size_t)(nthreads * span));
+    if (!part || !scores) { free(part); free(scores); return PyErr_NoMemory(); }
+    float scale = 1.0f / sqrtf((float)hd);
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel num_threads(units * nvis * hd >= 8192 ? nthreads : 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < N * (hq + hkv); u++) {  /* RoPE on every q and k head; K/V into the slot */
+            int64_t n = u / (hq + hkv), h = u % (hq + hkv);
+            float *v = qkv + n * width + h * hd;
+            rope(v, cos, sin, hd);
+            if (h >= hq) {
+                int64_t kh = h - hq, at = ((n * hkv + kh) * slots + slot) * hd;
+                memcpy(kc + at, v, sizeof(float) * (size_t)hd);
+                memcpy(vc + at, qkv + n * width + (hq + hkv + kh) * hd, sizeof(float) * (size_t)hd);
+            }
+        }
+        float *sc = scores + span * omp_get_thread_num();
+#pragma omp for schedule(static)
+        for (int64_t w = 0; w < units * parts; w++) {
+            int64_t unit = w / parts, p = w % parts, n = unit / hkv, kh = unit % hkv;
+            int64_t t0 = p * span, t1 = t0 + span < nvis ? t0 + span : nvis;
+            const float *K = kc + (n * hkv + kh) * slots * hd, *V = vc + (n * hkv + kh) * slots * hd;
+            for (int64_t r = 0; r < rep; r++) {
+                const float *q = qkv + n * width + (kh * rep + r) * hd;
+                float *res = part + ((unit * parts + p) * rep + r) * (hd + 2);
+                float mx = -INFINITY, sum = 0.0f;
+                for (int64_t t = t0; t < t1; t++) {
+                    sc[t - t0] = dot_f32(q, K + t * hd, hd) * scale;
+                    if (sc[t - t0] > mx) mx = sc[t - t0];
+                }
+                memset(res + 2, 0, sizeof(float) * (size_t)hd);
+                for (int64_t t = t0; t < t1; t++) {
+                    float e = expf(sc[t - t0] - mx);
+                    sum += e;
+                    axpy_f32(res + 2, e, V + t * hd, hd);
+                }
+                res[0] = mx;
+                res[1] = sum;
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < units * rep; u++) {  /* merge the stretches of each query head */
+            int64_t unit = u / rep, r = u % rep, n = unit / hkv, kh = unit % hkv;
+            float mx = -INFINITY, sum = 0.0f;
+            for (int64_t p = 0; p < parts; p++) {
+                const float *res = part + ((unit * parts + p) * rep + r) * (hd + 2);
+                if (res[1] > 0.0f && res[0] > mx) mx = res[0];
+            }
+            float *o = out + n * hq * hd + (kh * rep + r) * hd;
+            memset(o, 0, sizeof(float) * (size_t)hd);
+            for (int64_t p = 0; p < parts; p++) {
+                const float *res = part + ((unit * parts + p) * rep + r) * (hd + 2);
+                if (res[1] <= 0.0f) continue;
+                float wgt = expf(res[0] - mx);
+                sum += wgt * res[1];
+                axpy_f32(o, wgt, res + 2, hd);
+            }
+            for (int64_t j = 0; j < hd; j++) o[j] /= sum;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    free(part);
+    free(scores);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_kernel(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(KERNEL); }
+
+/* use(name): pick the dot kernel ("avx2" or "generic"; the tests compare them) */
+static PyObject *py_use(PyObject *self, PyObject *arg) {
+    const char *name = PyUnicode_AsUTF8(arg);
+    if (!name) return NULL;
+    if (strcmp(name, "generic") == 0) { DOT = dot_generic; KERNEL = "generic"; Py_RETURN_NONE; }
+#ifdef LP_X86
+    if (strcmp(name, "avx2") == 0) {
+        __builtin_cpu_init();
+        if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))) {
+            PyErr_SetString(PyExc_RuntimeError, "this CPU lacks AVX2/FMA/F16C");
+            return NULL;
+        }
+        DOT = dot_avx2; KERNEL = "avx2"; Py_RETURN_NONE;
+    }
+#endif
+    PyErr_Format(PyExc_ValueError, "unknown or unavailable kernel %s", name);
+    return NULL;
+}
+
+static PyMethodDef METHODS[] = {
+    {"pack", (PyCFunction)(void (*)(void))py_pack, METH_FASTCALL, "pack(fmt, rows, K, Kp, src, qs, d, m)"},
+    {"linear", (PyCFunction)(void (*)(void))py_linear, METH_FASTCALL,
+     "linear(fmt, L, N, K, Kp, M, qs, d, m, x, y, pre, g, g_per_lane, eps)"},
+    {"attend", (PyCFunction)(void (*)(void))py_attend, METH_FASTCALL,
+     "attend(N, hq, hkv, hd, qkv, cos, sin, kc, vc, slots, slot, nvis, out)"},
+    {"kernel", py_kernel, METH_NOARGS, "the dot-product kernel in use"},
+    {"use", py_use, METH_O, "use('avx2' | 'generic')"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef MODULE = {PyModuleDef_HEAD_INIT, "_lowbit", "Low-bit CPU matrix products.", -1, METHODS};
+
+PyMODINIT_FUNC PyInit__lowbit(void) {
+#ifdef LP_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+        DOT = dot_avx2;
+        KERNEL = "avx2";
+    }
+#endif
+    return PyModule_Create(&MODULE);
+}

@@ -1,0 +1,202 @@
+"""Weight-only low-bit projections for the CPU decode path.
+
+`pack(w, "int8" | "int4")` turns a float weight [N, K] or lane weight [L, N, K] into a `PackedWeight`
+kept in blocks of 32 along K: int8 codes with one fp16 scale per block (`int8`, 1.06 bytes per
+weight), or 4-bit codes with an fp16 scale and minimum per block (`int4`, 0.56 bytes per weight; the
+layout of GGUF's Q4_1, as int8 is Q8_0's). The products run in the `_lowbit` C extension (built by
+the normal install): activations are quantized to int8 blocks per call and each block's integer dot
+product is scaled once, so a decode step streams the packed bytes and nothing else.
+
+`PackedWeight.dequantize()` is the reference: the same packed codes unpacked in plain torch.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+FORMATS = {"int8": 0, "int4": 1}  # weight-only formats, named by their code width
+BLOCK = 32
+
+try:  # torch first: the extension uses the OpenMP runtime torch has already loaded
+    from laneplay.kernels import _lowbit
+except ImportError as e:  # pragma: no cover - only without a C compiler at install time
+    _lowbit, _IMPORT_ERROR = None, e
+else:
+    _IMPORT_ERROR = None
+
+
+def available() -> bool:
+    return _lowbit is not None
+
+
+def require() -> None:
+    if _lowbit is None:
+        raise RuntimeError(f"the low-bit CPU kernels are not built ({_IMPORT_ERROR}); reinstall with "
+                           "`make venv` (it needs a C compiler), or use dtype float32")
+
+
+def kernel_name() -> str:
+    """Which dot-product kernel runs: 'avx2' or 'generic' (portable C)."""
+    require()
+    return _lowbit.kernel()
+
+
+def use_kernel(name: str) -> None:
+    require()
+    _lowbit.use(name)
+
+
+class PackedWeight:
+    """A packed [N, K] or [L, N, K] weight. qs: codes [L, N, Kp] int8 or [L, N, Kp/2] uint8 (two
+    4-bit codes per byte); d (and m for int4): fp16 [L, N, S], one per block of 32, S = Kp/32 rounded
+    up to a multiple of 8 (zeros past the last block: the kernels read scales 8 at a time)."""
+
+    def __init__(self, fmt: str, shape: tuple[int, ...], qs: Tensor, d: Tensor, m: Tensor | None):
+        self.fmt, self.shape = fmt, tuple(shape)
+        self.qs, self.d, self.m = qs, d, m
+        self.lanes = shape[0] if len(shape) == 3 else 1
+        self.rows, self.cols = shape[-2], shape[-1]
+        self.padded = qs.shape[-1] * (2 if fmt == "int4" else 1)
+        self._code = FORMATS[fmt]
+        self._ptrs = (qs.data_ptr(), d.data_ptr(), m.data_ptr() if m is not None else 0)
+
+    dtype = torch.float32  # what it computes in and returns
+    device = torch.device("cpu")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one product streams."""
+        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
+
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    def __repr__(self) -> str:
+        return f"PackedWeight({self.fmt}, shape={list(self.shape)}, {self.nbytes / 2**20:.1f} MiB)"
+
+    def dequantize(self) -> Tensor:
+        """The packed weight as float32, unpacked in plain torch (the reference of the kernels)."""
+        L, N = self.lanes, self.rows
+        nb = self.padded // BLOCK
+        d = self.d[..., :nb].float().view(L, N, nb, 1)
+        if self.fmt == "int8":
+            w = self.qs.float().view(L, N, nb, BLOCK) * d
+        else:
+            b = self.qs.view(L, N, nb, BLOCK // 2)
+            codes = torch.cat([b & 15, b >> 4], dim=-1).float()  # element j low nibble, j + 16 high
+            w = codes * d + self.m[..., :nb].float().view(L, N, nb, 1)
+        w = w.reshape(L, N, self.padded)[..., :self.cols]
+        return w.reshape(self.shape).contiguous()
+
+    def linear(self, x: Tensor, norm: Tensor | None = None, eps: float = 0.0, swiglu: bool = False) -> Tensor:
+        """x [..., K] -> [..., N] (a 2-D weight), or x [L, ..., K] -> [L, ..., N] (a lane weight).
+
+        norm: RMSNorm x first with this weight ([K], or one per lane [L, ..., K]) and `eps`.
+        swiglu: x holds [gate | up] ([..., 2K]); the product sees silu(gate) * up.
+        """
+        k_in = 2 * self.cols if swiglu else self.cols
+        if x.shape[-1] != k_in:
+            raise ValueError(f"input has {x.shape[-1]} features, the weight expects {k_in}")
+        lead = x.shape[:-1]
+        if len(self.shape) == 3 and (not lead or lead[0] != self.lanes):
+            raise ValueError(f"input {list(x.shape)} does not start with the weight's {self.lanes} lanes")
+        xf = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
+        m = xf.numel() // (self.lanes * k_in)
+        y = torch.empty(*lead, self.rows, dtype=torch.float32)
+        pre, g, per_lane = PRE_NONE, 0, 0
+        if norm is not None:
+            per_lane = int(norm.numel() != self.cols)
+            if norm.numel() != self.cols * (self.lanes if per_lane else 1) or norm.dtype != torch.float32:
+                raise ValueError(f"norm weight {list(norm.shape)} does not fit {self.cols} features")
+            pre, g = PRE_RMSNORM, norm.contiguous().data_ptr()
+        elif swiglu:
+            pre = PRE_SWIGLU
+        if m:
+            _lowbit.linear(self._code, self.lanes, self.rows, self.cols, self.padded, m, *self._ptrs,
+                           xf.data_ptr(), y.data_ptr(), pre, g, per_lane, float(eps))
+        return y
+
+
+PRE_NONE, PRE_RMSNORM, PRE_SWIGLU = 0, 1, 2
+
+
+def attend(qkv: Tensor, cos: Tensor, sin: Tensor, kc: Tensor, vc: Tensor, slot: int, n: int,
+           heads: int, kv_heads: int) -> Tensor:
+    """One decode token's attention, fused: qkv [N, (Hq + 2 Hkv) hd] float32 (q and k are rotated in
+    place by cos/sin [hd/2] of this position, interleaved pairs), k and v written into slot `slot` of
+    kc/vc [N, Hkv, slots, hd], then every query head attends over slots [0, n). -> [N, Hq hd]."""
+    N, hd, slots = qkv.shape[0], kc.shape[-1], kc.shape[2]
+    for t in (qkv, cos, sin, kc, vc):
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError("attend() takes contiguous float32 tensors")
+    if qkv.shape[1] != (heads + 2 * kv_heads) * hd or tuple(kc.shape) != (N, kv_heads, slots, hd):
+        raise ValueError(f"attend(): qkv {list(qkv.shape)} and cache {list(kc.shape)} do not fit")
+    out = torch.empty(N, heads * hd, dtype=torch.float32)
+    _lowbit.attend(N, heads, kv_heads, hd, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), kc.data_ptr(),
+                   vc.data_ptr(), slots, int(slot), int(n), out.data_ptr())
+    return out
+
+
+def decode_blocks(cfg):
+    """The low-bit twins of `engine.model.decode_blocks`: the same two per-layer functions, with
+    the norm fused into the projection's input, RoPE + cache write + attention in one call, and
+    SwiGLU fused into w2's input."""
+    eps, hq, hkv = cfg.norm_eps, cfg.heads_per_lane, cfg.kv_heads_per_lane
+
+    def attention_block(h, norm_w, wqkv, wo, kc, vc, cos, sin, slot, n: int) -> Tensor:
+        L, B = h.shape[:2]
+        qkv = wqkv.linear(h, norm=norm_w, eps=eps)  # [L, B, 1, (Hq + 2 Hkv) hd]
+        o = attend(qkv.view(L * B, -1), cos.view(-1), sin.view(-1), kc, vc, slot, n, hq, hkv)
+        return wo.linear(o.view(L, B, 1, -1))
+
+    def mlp_block(h, norm_w, w13, w2) -> Tensor:
+        return w2.linear(w13.linear(h, norm=norm_w, eps=eps), swiglu=True)
+
+    return attention_block, mlp_block
+
+
+def pack(w: Tensor, fmt: str) -> PackedWeight:
+    """Pack a float weight [N, K] or [L, N, K] (blocks of 32 along K, K zero-padded)."""
+    require()
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown low-bit format {fmt!r}; use one of {', '.join(FORMATS)}")
+    if w.dim() not in (2, 3) or w.device.type != "cpu":
+        raise ValueError(f"pack() takes a CPU weight [N, K] or [L, N, K], got {list(w.shape)} on {w.device}")
+    src = w.detach().float().contiguous()
+    K = src.shape[-1]
+    rows = src.numel() // K if K else 0
+    kp = -(-K // BLOCK) * BLOCK
+    lead = tuple(src.shape[:-1]) if src.dim() == 3 else (1, src.shape[0])
+    nb = -(-kp // (8 * BLOCK)) * 8  # scales per row, padded (see PackedWeight)
+    if fmt == "int8":
+        qs, m = torch.empty(*lead, kp, dtype=torch.int8), None
+    else:
+        qs, m = torch.empty(*lead, kp // 2, dtype=torch.uint8), torch.empty(*lead, nb, dtype=torch.float16)
+    d = torch.empty(*lead, nb, dtype=torch.float16)
+    if rows:
+        _lowbit.pack(FORMATS[fmt], rows, K, kp, src.data_ptr(), qs.data_ptr(), d.data_ptr(),
+                     m.data_ptr() if m is not None else 0)
+    return PackedWeight(fmt, tuple(src.shape), qs, d, m)
+
+
+MATRICES = ("wqkv", "wo", "w13", "w2")
+
+
+def pack_weights(weights: dict[str, Tensor], fmt: str, head_fmt: str = "int8") -> dict:
+    """The engine's weights with every projection packed as `fmt` and the LM head as `head_fmt`
+    (int8 by default: the head is the one matrix whose error every logit sees). The embedding
+    stays float (a token reads one row of it)."""
+    out = dict(weights)
+    for name, t in weights.items():
+        if name.rsplit(".", 1)[-1] in MATRICES:
+            out[name] = pack(t, fmt)
+    out["head"] = pack(weights["head"], head_fmt)
+    return out
+
+
+def unpack_weights(weights: dict) -> dict[str, Tensor]:
+    """The float reference of packed weights (the same codes, unpacked in plain torch)."""
+    return {k: v.dequantize() if isinstance(v, PackedWeight) else v for k, v in weights.items()}

@@ -1,0 +1,151 @@
+"""The low-bit CPU path (dtype int4 / int8) end to end: the packed model against the same packed
+weights unpacked to float in plain torch (so only the kernels' activation quantization differs), on
+random Laneformer checkpoints (every head and reduce variant, sliding-window rings that wrap, batch 2),
+under DTP ranks at world size 2, and on the embedded default model, whose GGUF blocks it keeps exactly."""
+import pytest
+import torch
+
+from laneplay.engine import SamplingParams, load_engine
+from laneplay.engine.checkpoint import (load_weights, open_checkpoint, random_laneformer_tensors, resolve_checkpoint,
+                                        tiny_laneformer_config, write_checkpoint)
+from laneplay.engine.model import LaneModel
+from laneplay.engine.runtime import make_runtime
+from laneplay.kernels import lowbit
+
+pytestmark = pytest.mark.skipif(not lowbit.available(), reason="the low-bit C kernels are not built")
+
+# Bounds, as a fraction of the largest |logit| of the reference: what int8 activation blocks cost.
+LOGIT_BOUND = 0.03
+CONFIGS = {
+    "d2-early": dict(broadcast_delay=2, use_early_comm=True),
+    "d1-late": dict(broadcast_delay=1, use_early_comm=False),
+    "vocab-parallel": dict(broadcast_delay=2, lm_head_type="vocab_parallel"),
+    "lane-head-lane-norms": dict(broadcast_delay=2, lm_head_type="lane", replicated_rmsn_scale=False),
+    "pre-norm-agg": dict(broadcast_delay=1, pre_norm_lane_agg=True, early_layers_broadcast=False),
+}
+
+
+def random_model(name, seed=0):
+    raw = tiny_laneformer_config(**CONFIGS[name])
+    return raw, random_laneformer_tensors(raw, seed=seed)
+
+
+def models(tmp_path, name, fmt):
+    raw, tensors = random_model(name)
+    path = write_checkpoint(tmp_path / name, raw, tensors)
+    cfg, src = open_checkpoint(path)
+    weights = load_weights(cfg, src)
+    src.close()
+    packed = lowbit.pack_weights(weights, fmt)
+    return path, LaneModel(cfg, packed), LaneModel(cfg, lowbit.unpack_weights(packed))
+
+
+def close(a, b, scale):
+    return float((a - b).abs().max()) <= LOGIT_BOUND * float(scale)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+@torch.inference_mode()
+def test_packed_model_matches_its_unpacked_weights(tmp_path, name, fmt):
+    _, low, ref = models(tmp_path, name, fmt)
+    ids = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(1))
+    want = ref(ids)
+    assert low.lowbit and not ref.lowbit
+    assert close(low(ids), want, want.abs().max())  # prefill path: every projection packed, S > 1
+    # decode: two samples, past the sliding window of 8 (the rings wrap)
+    lr, cr = ref.prefill(ids[:1, :4], 2, 40)
+    ll, cl = low.prefill(ids[:1, :4], 2, 40)
+    assert close(ll, lr, lr.abs().max())
+    agree = total = 0
+    for pos in range(4, 30):
+        tok = torch.tensor([[pos % 256], [(7 * pos) % 256]])
+        a, b = ref.decode(tok, pos, cr), low.decode(tok, pos, cl)
+        assert close(b, a, a.abs().max()), pos
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += 2
+    assert agree >= 0.9 * total
+
+
+def test_unpacked_reference_is_not_the_float_model(tmp_path):
+    """The check above can fail: the float weights themselves differ from the packed ones by more."""
+    _, low, ref = models(tmp_path, "d2-early", "int4")
+    raw, tensors = random_model("d2-early")
+    cfg, src = open_checkpoint(write_checkpoint(tmp_path / "f", raw, tensors))
+    exact = LaneModel(cfg, load_weights(cfg, src))
+    src.close()
+    assert float((exact.layers[0].wqkv - ref.layers[0].wqkv).abs().max()) > 0
+
+
+@pytest.mark.slow
+def test_dtp_ranks_pack_their_own_slices(tmp_path):
+    raw, tensors = random_model("d2-early", seed=3)
+    path = write_checkpoint(tmp_path / "ckpt", raw, tensors)
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(2))
+    one = load_engine(path, dtype="int4")
+    want, greedy = one.logits(ids), [t for ev in one.generate([5, 6, 7], SamplingParams(max_tokens=6))
+                                    for t in ev.token_ids]
+    two = load_engine(path, dtype="int4", world_size=2, timeout_s=60)
+    try:
+        assert two.runtime.dtype == "int4"
+        got = two.logits(ids)
+        assert close(got, want, want.abs().max())
+        tokens = [t for ev in two.generate([5, 6, 7], SamplingParams(max_tokens=6)) for t in ev.token_ids]
+        assert len(tokens) == len(greedy)
+        assert sum(a == b for a, b in zip(tokens, greedy)) >= len(greedy) - 1
+    finally:
+        two.close()
+
+
+@pytest.fixture(scope="module")
+def default_weights():
+    from laneplay.engine.tokenizer import tokenizer_from_gguf
+
+    cfg, src = open_checkpoint(resolve_checkpoint("smollm2-135m-instruct"))
+    try:
+        return cfg, load_weights(cfg, src), tokenizer_from_gguf(src.reader)
+    finally:
+        src.close()
+
+
+@pytest.mark.slow
+def test_default_model_int4_keeps_the_gguf_blocks_exactly(default_weights):
+    """The embedded GGUF is Q4_1 blocks with a Q8_0 head: int4 packs them back bit for bit."""
+    cfg, weights, _ = default_weights
+    packed = lowbit.pack_weights(weights, "int4")
+    for name, w in weights.items():
+        if isinstance(packed[name], lowbit.PackedWeight):
+            assert torch.equal(packed[name].dequantize(), w), name
+    assert packed["layers.0.w13"].nbytes <= weights["layers.0.w13"].nbytes / 5
+
+
+@pytest.mark.slow
+@torch.inference_mode()
+def test_default_model_int4_decodes_like_its_float_weights(default_weights):
+    """Teacher-forced over a piece of code: the same next-token choice almost everywhere."""
+    cfg, weights, tokenizer = default_weights
+    low, ref = LaneModel(cfg, lowbit.pack_weights(weights, "int4")), LaneModel(cfg, weights)
+    text = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    a, b = 0, 1\n"
+            "    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n\nprint(fibonacci(10))\n")
+    ids = torch.tensor([tokenizer.encode(text)])
+    n = ids.shape[1]
+    lr, cr = ref.prefill(ids[:, :4], 1, n + 1)
+    ll, cl = low.prefill(ids[:, :4], 1, n + 1)
+    agree, worst = int(lr.argmax() == ll.argmax()), float((lr - ll).abs().max())
+    for pos in range(4, n):
+        tok = ids[:, pos:pos + 1]
+        a, b = ref.decode(tok, pos, cr), low.decode(tok, pos, cl)
+        worst = max(worst, float((a - b).abs().max()))
+        agree += int(a.argmax() == b.argmax())
+    assert agree >= 0.9 * (n - 3) and worst < 2.0, (agree, n - 3, worst)
+
+
+def test_runtime_resolves_the_low_bit_dtypes():
+    rt = make_runtime("cpu", "int4", compile=True)
+    assert (rt.dtype, rt.weight_format, rt.torch_dtype, rt.compile) == ("int4", "int4", torch.float32, False)
+    assert make_runtime("cpu", "auto").dtype == "int4"
+    assert make_runtime("cpu", "float32").weight_format is None
+    with pytest.raises(ValueError, match="static decode step"):
+        make_runtime("cpu", "int8", graphs=True)
+    with pytest.raises(ValueError, match="not supported"):
+        make_runtime("cpu", "int3")
