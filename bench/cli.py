@@ -1,6 +1,6 @@
 """`laneplay bench`: run the benchmarks (each prints a table and writes JSON to bench/results/).
 
-`--quick` is a smoke run that finishes in a few minutes on two cores: eager engines, one round, short
+`--quick` is a smoke run that finishes in a few minutes on two cores: eager float32 and the int4 default, one round, short
 generations, one long prompt; its numbers show the machinery works, not the speed (run the full
 benchmark on a quiet machine for that).
 """
@@ -14,7 +14,8 @@ BENCHMARKS = {
     "dtp": "laneplay.bench.dtp",  # delayed collectives vs wait-now
     "prefill": "laneplay.bench.prefill",  # long prompts: TTFT and prompt tokens/s vs transformers
 }
-QUICK = {"decode": ["--rounds", "1", "--new-tokens", "16", "--ours", "eager", "--half", "", "--samples", "2,4",
+QUICK = {"decode": ["--rounds", "1", "--new-tokens", "16", "--ours", "eager", "--half", "", "--lowbit", "int4",
+                    "--samples", "2,4",
                     "--prompts", "short,512", "--bandwidth-gib", "0.25"],
          "dtp": ["--rounds", "1", "--tokens", "8", "--width", "128"],
          "prefill": ["--rounds", "1", "--lengths", "512"]}

@@ -7,7 +7,9 @@ Every engine gets identical prompt ids (the chat template applied to one questio
 reference code to make it 512 tokens), decodes greedily to exactly `--new-tokens` tokens, and is timed
 where tokens are produced: TTFT, and decode tokens/s = (tokens - 1) / (t_last - t_first). Peers: Hugging
 Face transformers on the same weights dequantized to float32, and llama.cpp (llama-cpp-python) on the
-same GGUF file, Q4_1 as shipped (skipped with a message when not installed). Runs alternate engines so
+same GGUF file, Q4_1 as shipped (skipped with a message when not installed). Ours: float32 (compiled,
+eager), bfloat16/float16, and the low-bit paths int4 (the CPU default: the GGUF's own Q4_1 blocks with a
+Q8_0 head) and int8; each one's split of a step (weight products / attention / other) is printed too. Runs alternate engines so
 drift hits all alike; ratios are the result. Bandwidth is measured in the same run; achieved GB/s =
 bytes read per token (each engine's own: float32, half or the GGUF's) x tokens/s, and the share of the
 read roofline. Also batch 1 vs n samples in one batch (the cost of pass@N per sample). Refuses to
@@ -76,26 +78,10 @@ def bytes_per_token(eng, prompt_len: int, new_tokens: int) -> dict:
 
 def matvec_only_tps(eng, reps: int = 5) -> float:
     """Tokens/s if a decode step were only its weight matrix-vector products (this machine's BLAS)."""
-    from laneplay.engine.model import lane_linear, linear
+    from laneplay.bench.split import time_ms, weight_products
 
-    m = eng.model
-    mats = [w for lw in m.layers for w in (lw.wqkv, lw.wo, lw.w13, lw.w2)]
     with torch.inference_mode():
-        xs = [torch.randn(w.shape[0], 1, 1, w.shape[2], dtype=w.dtype) for w in mats]
-        head_x = torch.randn(1, m.head_weight.shape[-1], dtype=m.dtype)
-
-        def step():
-            for x, w in zip(xs, mats):
-                lane_linear(x, w)
-            linear(head_x, m.head_weight)
-
-        step()
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t)
-    return 1 / median(times)
+        return 1000 / time_ms(weight_products(eng.model), reps)
 
 
 def long_prompt_ids(tokenizer, length: int) -> list[int]:
@@ -199,15 +185,21 @@ def main(argv=None) -> int:
     compile_s = time.perf_counter() - t
     for dt in _csv(args.half):
         ours[f"ours (compiled, {dt})"] = load_engine("smollm2-135m-instruct", dtype=dt, compile=True)
+    notes = []
+    from laneplay.kernels import lowbit
+
     for dt in _csv(args.lowbit):
-        ours[f"ours ({dt})"] = load_engine("smollm2-135m-instruct", dtype=dt)
+        if lowbit.available():
+            ours[f"ours ({dt})"] = load_engine("smollm2-135m-instruct", dtype=dt)
+        else:
+            notes.append(f"ours ({dt}) skipped: the low-bit CPU kernels are not built (`make venv` builds them)")
+            print(notes[-1])
     first = next(iter(ours.values()))
     prompts = {}
     for name in _csv(args.prompts):
         prompts[name] = (first.tokenizer.encode_chat([{"role": "user", "content": QUESTION}]) if name == "short"
                          else long_prompt_ids(first.tokenizer, int(name)))
     contenders = {name: (lambda ids, k, e=e: our_run(e, ids, k)) for name, e in ours.items()}
-    notes = []
     if "transformers" in peers:
         import transformers
 
@@ -282,6 +274,10 @@ def main(argv=None) -> int:
     for b_ in batched:
         b_["aggregate_tps"] = b_["n"] * b_["per_sample_tps"]
         b_["step_cost_vs_n1"] = batched[0]["per_sample_tps"] / b_["per_sample_tps"]
+    from laneplay.bench.split import decode_split
+
+    split = [{"engine": name, "prompt": pname, **decode_split(e, ids)}
+             for pname, ids in prompts.items() for name, e in ours.items()]
     noisy = not all(q["quiet"] for q in quiet)
     print(f"\nSmolLM2-135M-Instruct, batch 1, greedy, {torch.get_num_threads()} threads, {args.new_tokens} new tokens; "
           f"read bandwidth {read_gbps:.1f} GB/s (copy {bw['copy_gbps']:.1f}), measured in this run; "
@@ -293,6 +289,10 @@ def main(argv=None) -> int:
                        ("ms_per_token", "ms/token", ".1f"), ("gbps", "GB/s", ".1f"),
                        ("roofline_frac", "of roofline", ".0%"), ("vs_transformers", "vs transformers", ".2f"),
                        ("vs_llama_cpp", "vs llama.cpp", ".2f")])
+    print("\nwhere a decode step goes (ms/token; `laneplay.bench.split`):")
+    print_table(split, [("engine", "engine", "s"), ("context", "context", "d"), ("step_ms", "step", ".2f"),
+                        ("matrices_ms", "weight products", ".2f"), ("attention_ms", "attention", ".2f"),
+                        ("other_ms", "other", ".2f")])
     if batched:
         print()
         print_table(batched, [("engine", "samples in one batch", "s"), ("per_sample_tps", "tok/s per sample", ".1f"),
@@ -301,7 +301,7 @@ def main(argv=None) -> int:
     path = write_json("decode-cpu", {"schema": 2, "noisy": noisy, "quiet": quiet, "notes": notes,
                                      "bandwidth": {"before": bw, "after": bw_after, "read_gbps": read_gbps},
                                      "matvec_only_tps": matvec_tps, "compile_s": compile_s, "rows": rows,
-                                     "batched": batched,
+                                     "batched": batched, "split": split,
                                      "raw": [{"engine": k[0], "prompt": k[1], "runs": v} for k, v in runs.items()]},
                       out=args.out)
     print(f"\nwrote {path}")

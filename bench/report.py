@@ -39,6 +39,11 @@ def decode_tables(d: dict) -> str:
                   "|---|---|---|---|"]
         lines += [f"| {b['engine']} | {_f(b.get('per_sample_tps'), '.1f')} | {_f(b.get('aggregate_tps'), '.1f')} | "
                   f"{_f(b.get('step_cost_vs_n1'), '.2f')} |" for b in d["batched"]]
+    if d.get("split"):
+        lines += ["", "Where a decode step goes, ms per token (`laneplay.bench.split`):", "",
+                  "| engine | context | step | weight products | attention | other |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['engine']} | {r['context']} | {r['step_ms']:.2f} | {r['matrices_ms']:.2f} | "
+                  f"{r['attention_ms']:.2f} | {r['other_ms']:.2f} |" for r in d["split"]]
     return "\n".join(lines)
 
 

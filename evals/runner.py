@@ -9,7 +9,7 @@ import json
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable, Protocol
 
 from laneplay.evals.execution import DEFAULT_MEMORY_MB, DEFAULT_TIMEOUT_S, check

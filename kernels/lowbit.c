@@ -74,7 +74,9 @@ static void pack_row(int fmt, const float *x, int64_t K, int64_t Kp, int8_t *qs,
 
 /* ---- activations: float rows -> int8 blocks (scale, and scale * sum of codes for q4's minimum) ---- */
 
-static void quantize_act(const float *x, int64_t K, int64_t Kp, int8_t *q, float *d, float *s) {
+/* paired: the AVX2 q4 kernel's order, blocks b, b + 1 (b even) stored as [b 0..15 | b+1 0..15 | b 16..31 |
+ * b+1 16..31], which is how one 32-byte load of their packed codes splits into low and high nibbles. */
+static void quantize_act(const float *x, int64_t K, int64_t Kp, int8_t *q, float *d, float *s, int paired) {
     for (int64_t b = Kp / QK; b < SPAD(Kp / QK); b++) d[b] = s[b] = 0.0f;
     for (int64_t b = 0; b < Kp / QK; b++) {
         float buf[QK], amax = 0.0f;
@@ -92,12 +94,26 @@ static void quantize_act(const float *x, int64_t K, int64_t Kp, int8_t *q, float
         d[b] = df;
         s[b] = df * (float)sum;
     }
+    if (paired)
+        for (int64_t b = 0; b + 1 < Kp / QK; b += 2) {
+            int8_t t[2 * QK];
+            int8_t *p = q + b * QK;
+            memcpy(t, p + 16, 16);       /* b 16..31 */
+            memcpy(p + 16, p + 32, 16);  /* b+1 0..15 */
+            memcpy(p + 32, t, 16);
+        }
 }
 
 /* ---- dot products of up to 4 packed rows with one activation row ------------------------------
  * Rows r < R start at qs + r * row_bytes, wd + r * SPAD(nb), wm + r * SPAD(nb). */
 
 #define MAXR 4
+#ifndef PFD
+#define PFD 1
+#endif
+#ifndef PF
+#define PF 1
+#endif
 
 static void dot_generic(int fmt, int64_t nb, int64_t row_bytes, const int8_t *qs, const uint16_t *wd,
                         const uint16_t *wm, int R, const int8_t *xq, const float *xd, const float *xs, float *out) {
@@ -155,9 +171,42 @@ dot_rows_avx2(const int fmt, const int R, int64_t nb, int64_t row_bytes, const i
                 macc[r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs + g), macc[r]);
             }
         }
+        if (fmt == FMT_Q4) {  /* two blocks per step (activations in the paired order) */
+            int j = 0;
+            for (; j + 1 < n8; j += 2) {
+                int64_t b = g + j;
+                __m256i alo = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+                __m256i ahi = _mm256_loadu_si256((const __m256i *)(xq + b * QK + QK));
+                const __m256i idx = _mm256_setr_epi32(j, j, j, j, j + 1, j + 1, j + 1, j + 1);
+                if (PF && (j & 3) == 0)
+                    for (int r = 0; r < R; r++) _mm_prefetch((const char *)(qs + (PFD * R + r) * row_bytes + b * (QK / 2)), _MM_HINT_T0);
+                for (int r = 0; r < R; r++) {
+                    __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + r * row_bytes + b * (QK / 2)));
+                    __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                    __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, alo), _mm256_maddubs_epi16(hi, ahi));
+                    __m256 scv = _mm256_permutevar8x32_ps(_mm256_loadu_ps(sc[r]), idx);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), scv, acc[r]);
+                }
+            }
+            if (j < n8) {  /* the row's last block, alone (natural order) */
+                int64_t b = g + j;
+                __m256i a = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+                for (int r = 0; r < R; r++) {
+                    __m128i raw = _mm_loadu_si128((const __m128i *)(qs + r * row_bytes + b * (QK / 2)));
+                    __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
+                    __m256i p = _mm256_maddubs_epi16(w, a);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)),
+                                             _mm256_broadcast_ss(&sc[r][j]), acc[r]);
+                }
+            }
+            continue;
+        }
         for (int j = 0; j < n8; j++) {
             int64_t b = g + j;
             __m256i a = _mm256_loadu_si256((const __m256i *)(xq + b * QK));
+            if (PF && (j & 1) == 0)  /* the next rows' codes, a group ahead: one line per row per 64 bytes */
+                for (int r = 0; r < R; r++)
+                    _mm_prefetch((const char *)(qs + (PFD * R + r) * row_bytes + b * (fmt == FMT_Q8 ? QK : QK / 2)), _MM_HINT_T0);
             for (int r = 0; r < R; r++) {
                 __m256i p;
                 if (fmt == FMT_Q8) {
@@ -267,6 +316,7 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nar
     float *y = (float *)(intptr_t)a[10];
     int64_t row_bytes = fmt == FMT_Q8 ? Kp : Kp / 2, rows = L * M, xstride = pre == PRE_SWIGLU ? 2 * K : K;
     int nthreads = omp_get_max_threads();
+    int paired = fmt == FMT_Q4 && DOT != dot_generic;
     size_t q_bytes = (size_t)(rows * Kp + 63) / 64 * 64, s_bytes = 2 * sizeof(float) * (size_t)(rows * ns);
     size_t t_bytes = pre != PRE_NONE ? sizeof(float) * (size_t)(K * nthreads) : 0;
     int8_t *xq = (int8_t *)aligned_alloc(64, (q_bytes + s_bytes + t_bytes + 63) / 64 * 64);
@@ -282,7 +332,7 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nar
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             const float *row = pre_row(pre, x + r * xstride, K, g + (g_lanes ? (r / M) * K : 0), (float)eps, mine);
-            quantize_act(row, K, Kp, xq + r * Kp, xd + r * ns, xs + r * ns);
+            quantize_act(row, K, Kp, xq + r * Kp, xd + r * ns, xs + r * ns, paired);
         }
         for (int64_t l = 0; l < L; l++) {
             const int8_t *wq = qs + l * N * row_bytes;
@@ -326,6 +376,113 @@ static void axpy_f32(float *y, float a, const float *x, int64_t n) {
     for (int64_t j = 0; j < n; j++) y[j] += a * x[j];
 }
 
+#ifdef LP_X86
+/* sc[t] = scale * q . K[t] for t < n; four keys at a time (independent FMA chains). hd % 8 == 0. */
+AVX2_FN static void scores_avx2(const float *q, const float *K, int64_t n, int64_t hd, float scale, float *sc) {
+    int64_t t = 0;
+    for (; t + 4 <= n; t += 4) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        const float *k = K + t * hd;
+        for (int64_t j = 0; j < hd; j += 8) {
+            __m256 qv = _mm256_loadu_ps(q + j);
+            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j), a0);
+            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + hd + j), a1);
+            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * hd + j), a2);
+            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * hd + j), a3);
+        }
+        sc[t] = hsum8(a0) * scale;
+        sc[t + 1] = hsum8(a1) * scale;
+        sc[t + 2] = hsum8(a2) * scale;
+        sc[t + 3] = hsum8(a3) * scale;
+    }
+    for (; t < n; t++) {
+        __m256 a0 = _mm256_setzero_ps();
+        for (int64_t j = 0; j < hd; j += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(K + t * hd + j), a0);
+        sc[t] = hsum8(a0) * scale;
+    }
+}
+
+/* exp(x) for x <= 0 (softmax after subtracting the max): 2^k * p(r), r in [-ln2/2, ln2/2], a degree-6
+ * polynomial (relative error ~2e-7); under -87 it is 0. */
+AVX2_FN static inline __m256 exp_avx2(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* sc[t] = exp(sc[t] - mx) for t < n; returns their sum. */
+AVX2_FN static float softmax_exp_avx2(float *sc, int64_t n, float mx) {
+    __m256 m = _mm256_set1_ps(mx), acc = _mm256_setzero_ps();
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+        __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(sc + t), m));
+        _mm256_storeu_ps(sc + t, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float sum = hsum8(acc);
+    for (; t < n; t++) {
+        sc[t] = expf(sc[t] - mx);
+        sum += sc[t];
+    }
+    return sum;
+}
+
+/* o[j] += sum_t e[t] * V[t][j], 32 columns at a time in registers. hd % 8 == 0. */
+AVX2_FN static void values_avx2(float *o, const float *e, const float *V, int64_t n, int64_t hd) {
+    int64_t j = 0;
+    for (; j + 32 <= hd; j += 32) {
+        __m256 a0 = _mm256_loadu_ps(o + j), a1 = _mm256_loadu_ps(o + j + 8), a2 = _mm256_loadu_ps(o + j + 16),
+               a3 = _mm256_loadu_ps(o + j + 24);
+        for (int64_t t = 0; t < n; t++) {
+            __m256 w = _mm256_broadcast_ss(e + t);
+            const float *v = V + t * hd + j;
+            a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), a0);
+            a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), a1);
+            a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), a2);
+            a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), a3);
+        }
+        _mm256_storeu_ps(o + j, a0);
+        _mm256_storeu_ps(o + j + 8, a1);
+        _mm256_storeu_ps(o + j + 16, a2);
+        _mm256_storeu_ps(o + j + 24, a3);
+    }
+    for (; j < hd; j += 8) {
+        __m256 a0 = _mm256_loadu_ps(o + j);
+        for (int64_t t = 0; t < n; t++) a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(e + t), _mm256_loadu_ps(V + t * hd + j), a0);
+        _mm256_storeu_ps(o + j, a0);
+    }
+}
+#endif
+
+#ifdef LP_X86
+#define SCORES_AVX2 scores_avx2
+#define VALUES_AVX2 values_avx2
+#define SOFTMAX_EXP_AVX2 softmax_exp_avx2
+#else
+#define SOFTMAX_EXP_AVX2(sc, n, mx) 0.0f
+#define SCORES_AVX2 scores_generic
+#define VALUES_AVX2 values_generic
+#endif
+
+static void scores_generic(const float *q, const float *K, int64_t n, int64_t hd, float scale, float *sc) {
+    for (int64_t t = 0; t < n; t++) sc[t] = dot_f32(q, K + t * hd, hd) * scale;
+}
+
+static void values_generic(float *o, const float *e, const float *V, int64_t n, int64_t hd) {
+    for (int64_t t = 0; t < n; t++) axpy_f32(o, e[t], V + t * hd, hd);
+}
+
 static void rope(float *v, const float *cos, const float *sin, int64_t hd) {  /* interleaved pairs */
     for (int64_t t = 0; t < hd / 2; t++) {
         float x0 = v[2 * t], x1 = v[2 * t + 1];
@@ -362,6 +519,7 @@ static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nar
     float *scores = (float *)malloc(sizeof(float) * (size_t)(nthreads * span));
     if (!part || !scores) { free(part); free(scores); return PyErr_NoMemory(); }
     float scale = 1.0f / sqrtf((float)hd);
+    int fast = DOT != dot_generic && hd % 8 == 0;  /* the AVX2 loops (the kernel choice covers them too) */
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel num_threads(units * nvis * hd >= 8192 ? nthreads : 1)
     {
@@ -386,16 +544,18 @@ static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nar
                 const float *q = qkv + n * width + (kh * rep + r) * hd;
                 float *res = part + ((unit * parts + p) * rep + r) * (hd + 2);
                 float mx = -INFINITY, sum = 0.0f;
-                for (int64_t t = t0; t < t1; t++) {
-                    sc[t - t0] = dot_f32(q, K + t * hd, hd) * scale;
-                    if (sc[t - t0] > mx) mx = sc[t - t0];
+                if (t1 > t0) (fast ? SCORES_AVX2 : scores_generic)(q, K + t0 * hd, t1 - t0, hd, scale, sc);
+                for (int64_t t = 0; t < t1 - t0; t++) mx = sc[t] > mx ? sc[t] : mx;
+                if (fast) {
+                    sum = SOFTMAX_EXP_AVX2(sc, t1 - t0, mx);
+                } else {
+                    for (int64_t t = 0; t < t1 - t0; t++) {
+                        sc[t] = expf(sc[t] - mx);
+                        sum += sc[t];
+                    }
                 }
                 memset(res + 2, 0, sizeof(float) * (size_t)hd);
-                for (int64_t t = t0; t < t1; t++) {
-                    float e = expf(sc[t - t0] - mx);
-                    sum += e;
-                    axpy_f32(res + 2, e, V + t * hd, hd);
-                }
+                if (t1 > t0) (fast ? VALUES_AVX2 : values_generic)(res + 2, sc, V + t0 * hd, t1 - t0, hd);
                 res[0] = mx;
                 res[1] = sum;
             }

@@ -59,6 +59,8 @@ class PackedWeight:
         self.padded = qs.shape[-1] * (2 if fmt == "int4" else 1)
         self._code = FORMATS[fmt]
         self._ptrs = (qs.data_ptr(), d.data_ptr(), m.data_ptr() if m is not None else 0)
+        self._args = (self._code, self.lanes, self.rows, self.cols, self.padded)
+        self.lanes_first = len(shape) == 3
 
     dtype = torch.float32  # what it computes in and returns
     device = torch.device("cpu")
@@ -97,15 +99,18 @@ class PackedWeight:
         norm: RMSNorm x first with this weight ([K], or one per lane [L, ..., K]) and `eps`.
         swiglu: x holds [gate | up] ([..., 2K]); the product sees silu(gate) * up.
         """
+        shape = x.shape
         k_in = 2 * self.cols if swiglu else self.cols
-        if x.shape[-1] != k_in:
-            raise ValueError(f"input has {x.shape[-1]} features, the weight expects {k_in}")
-        lead = x.shape[:-1]
-        if len(self.shape) == 3 and (not lead or lead[0] != self.lanes):
-            raise ValueError(f"input {list(x.shape)} does not start with the weight's {self.lanes} lanes")
-        xf = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
-        m = xf.numel() // (self.lanes * k_in)
-        y = torch.empty(*lead, self.rows, dtype=torch.float32)
+        if shape[-1] != k_in:
+            raise ValueError(f"input has {shape[-1]} features, the weight expects {k_in}")
+        if self.lanes_first and (len(shape) < 2 or shape[0] != self.lanes):
+            raise ValueError(f"input {list(shape)} does not start with the weight's {self.lanes} lanes")
+        if x.dtype != torch.float32:
+            x = x.float()
+        if not x.is_contiguous():
+            x = x.contiguous()
+        y = torch.empty(*shape[:-1], self.rows, dtype=torch.float32)
+        m = x.numel() // (self.lanes * k_in)
         pre, g, per_lane = PRE_NONE, 0, 0
         if norm is not None:
             per_lane = int(norm.numel() != self.cols)
@@ -115,8 +120,7 @@ class PackedWeight:
         elif swiglu:
             pre = PRE_SWIGLU
         if m:
-            _lowbit.linear(self._code, self.lanes, self.rows, self.cols, self.padded, m, *self._ptrs,
-                           xf.data_ptr(), y.data_ptr(), pre, g, per_lane, float(eps))
+            _lowbit.linear(*self._args, m, *self._ptrs, x.data_ptr(), y.data_ptr(), pre, g, per_lane, eps)
         return y
 
 

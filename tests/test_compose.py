@@ -26,7 +26,7 @@ MAKEFILE = ROOT / "Makefile"
 GPU_SERVICES = {"engine", "app"}
 CPU_SERVICES = {"app-cpu"}
 # What `make venv` reads: the build context must carry all of it.
-INSTALL_INPUTS = ("Makefile", "pyproject.toml", "constraints.txt", "README.md")
+INSTALL_INPUTS = ("Makefile", "pyproject.toml", "constraints.txt", "setup.py", "kernels/lowbit.c", "README.md")
 
 
 # ---------------------------------------------------------------- reading the files
@@ -319,7 +319,8 @@ def test_make_dry_run_shows_each_torch_build(tmp_path):
     """What the Dockerfile's `make venv HAVE_GPU=...` does: the overrides reach the Makefile's sub-make."""
     if shutil.which("make") is None:
         pytest.skip("make is not installed")
-    for name in INSTALL_INPUTS[:3]:
+    for name in INSTALL_INPUTS[:5]:  # what the install stamp depends on
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / name, tmp_path / name)
     uv = tmp_path / ".venv" / "bin" / "uv"  # present, so the uv branch is the one taken
     uv.parent.mkdir(parents=True)

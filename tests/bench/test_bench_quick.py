@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from laneplay.bench import common, decode
+from laneplay.kernels import lowbit
 
 
 def _positive(x) -> bool:
@@ -29,9 +30,12 @@ def test_quick_bench_writes_every_table_as_json(tmp_path):
         assert d["rows"], path.name
     dec = json.loads((tmp_path / "decode-cpu.json").read_text())
     engines = {(r["engine"], r["prompt"]) for r in dec["rows"]}
-    assert engines == {(e, p) for e in ("ours (eager)", "transformers (eager)") for p in ("short", "512")} or \
-        engines == {(e, p) for e in ("ours (eager)", "transformers (eager)", "llama.cpp (Q4_1)")
-                    for p in ("short", "512")}
+    ours = ("ours (eager)", "ours (int4)") if lowbit.available() else ("ours (eager)",)
+    assert engines == {(e, p) for e in (*ours, "transformers (eager)") for p in ("short", "512")} or \
+        engines == {(e, p) for e in (*ours, "transformers (eager)", "llama.cpp (Q4_1)") for p in ("short", "512")}
+    assert {(s["engine"], s["prompt"]) for s in dec["split"]} == {(e, p) for e in ours for p in ("short", "512")}
+    for s in dec["split"]:
+        assert all(_positive(s[k]) for k in ("step_ms", "matrices_ms", "attention_ms")), s
     for r in dec["rows"]:
         assert all(_positive(r[k]) for k in ("ttft_ms", "decode_tps", "ms_per_token", "gbps", "roofline_frac",
                                              "bytes_per_token")), r

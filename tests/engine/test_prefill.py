@@ -31,7 +31,7 @@ def test_chunked_prefill_is_the_same_function_as_one_pass(ckpt, chunk):
 
 
 def _run(eng, prompt, **kw):
-    texts, reasons, tokens = {}, {}, {}
+    reasons, tokens = {}, {}
     for ev in eng.generate(prompt, SamplingParams(**{"max_tokens": 6, **kw.pop("params", {})}), **kw):
         tokens.setdefault(ev.sample_index, []).extend(ev.token_ids)
         if ev.finish_reason:

@@ -1,6 +1,5 @@
 """Generated code is contained: each hostile program below gets its own test."""
 import os
-import signal
 import socket
 import subprocess
 import sys

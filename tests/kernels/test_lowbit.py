@@ -1,0 +1,240 @@
+"""The low-bit CPU kernels (`laneplay.kernels.lowbit`, C extension `_lowbit`) against plain torch.
+
+Packing is checked against the formats' own error bounds; every product against x @ W.T with W the
+same packed codes unpacked in torch (`PackedWeight.dequantize`), within the exact bound that the
+activations' int8 quantisation allows (each input element is off by at most its block's max / 254);
+the AVX2 kernels against the portable ones; the fused attention against the engine's torch attention.
+"""
+import math
+
+import pytest
+import torch
+
+from laneplay.kernels import lowbit
+
+pytestmark = pytest.mark.skipif(not lowbit.available(), reason="the _lowbit extension is not built")
+
+KERNELS = ["generic"] + (["avx2"] if lowbit.available() and lowbit.kernel_name() == "avx2" else [])
+
+
+@pytest.fixture(params=KERNELS)
+def kernel(request):
+    before = lowbit.kernel_name()
+    lowbit.use_kernel(request.param)
+    yield request.param
+    lowbit.use_kernel(before)
+
+
+def _blocks(t: torch.Tensor) -> torch.Tensor:
+    """[..., K] -> [..., nb, 32], zero-padded."""
+    k = t.shape[-1]
+    kp = -(-k // 32) * 32
+    return torch.nn.functional.pad(t, (0, kp - k)).unflatten(-1, (-1, 32))
+
+
+def _act_error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The largest |y - x @ w.T| that int8 activation blocks (scale max/127, round to nearest) allow."""
+    err = (_blocks(x).abs().amax(-1, keepdim=True) / 254).expand(*x.shape[:-1], -1, 32).flatten(-2)
+    err = err[..., :x.shape[-1]]
+    return err @ w.abs().transpose(-1, -2) * 1.001 + 1e-5 * (1 + (x.abs() @ w.abs().transpose(-1, -2)))
+
+
+def _assert_lanes_match(y, a, w, slack=0.0):
+    """y [L, ..., N] from a lane weight w [L, N, K] is a @ w[l].T per lane, within the activation bound."""
+    ref = torch.einsum("lbsk,lnk->lbsn", a, w)
+    bound = torch.stack([_act_error_bound(a[i], w[i]) for i in range(w.shape[0])])
+    assert y.shape == ref.shape and ((y - ref).abs() <= bound * (1 + slack) + slack / 100).all()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("shape", [(64, 96), (7, 70), (3, 5, 100), (1, 32)])
+def test_pack_stays_within_the_format_error(fmt, shape):
+    torch.manual_seed(0)
+    w = torch.randn(shape) * torch.rand(shape[-2], 1) * 3  # rows of different scales
+    p = lowbit.pack(w, fmt)
+    assert p.shape == tuple(shape) and p.fmt == fmt
+    deq = p.dequantize()
+    assert deq.shape == w.shape and deq.dtype == torch.float32
+    b, e = _blocks(w), _blocks(deq - w).abs().amax(-1)
+    if fmt == "int8":
+        step = b.abs().amax(-1) / 127
+    else:
+        step = (b.amax(-1) - b.amin(-1)) / 15
+    fp16 = 2e-3 * b.abs().amax(-1)  # the fp16 scale (and minimum) are rounded too
+    assert (e <= 0.5 * step * 1.01 + fp16 + 1e-7).all()
+    again = lowbit.pack(deq, fmt)  # the unpacked codes pack back to themselves
+    assert torch.allclose(again.dequantize(), deq, rtol=0, atol=1e-6 * float(w.abs().max()))
+    kp = -(-shape[-1] // 32) * 32
+    scales = -(-kp // 256) * 8  # per row, padded to a multiple of 8
+    per_row = kp + 2 * scales if fmt == "int8" else kp // 2 + 4 * scales
+    assert p.nbytes == per_row * w.numel() // shape[-1]  # what a product streams: codes and scales only
+
+
+def test_pack_keeps_zero_and_constant_blocks():
+    w = torch.zeros(4, 64)
+    w[1] = 2.5
+    w[2, :32] = -1.0
+    for fmt in ("int8", "int4"):
+        assert torch.allclose(lowbit.pack(w, fmt).dequantize(), w, atol=1e-3)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("m,n,k", [(1, 96, 64), (1, 10, 70), (5, 33, 100), (3, 7, 256), (70, 18, 96), (2, 1, 32)])
+def test_linear_matches_the_unpacked_weight(kernel, fmt, m, n, k):
+    torch.manual_seed(1)
+    p = lowbit.pack(torch.randn(n, k), fmt)
+    w = p.dequantize()
+    x = torch.randn(m, k) * 2
+    y = p.linear(x)
+    ref = x @ w.T
+    assert y.shape == (m, n)
+    assert ((y - ref).abs() <= _act_error_bound(x, w)).all(), float((y - ref).abs().max())
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_lane_weights_multiply_each_lane_by_its_own_slice(kernel, fmt):
+    torch.manual_seed(2)
+    L, n, k = 3, 20, 96
+    p = lowbit.pack(torch.randn(L, n, k), fmt)
+    w = p.dequantize()
+    x = torch.randn(L, 2, 1, k)
+    _assert_lanes_match(p.linear(x), x, w)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_avx2_and_generic_kernels_agree(fmt):
+    if "avx2" not in KERNELS:
+        pytest.skip("this CPU has no AVX2: only the portable kernel runs")
+    torch.manual_seed(3)
+    p = lowbit.pack(torch.randn(2, 45, 200), fmt)
+    x = torch.randn(2, 3, 200)
+    before = lowbit.kernel_name()
+    try:
+        lowbit.use_kernel("generic")
+        a = p.linear(x)
+        lowbit.use_kernel("avx2")
+        b = p.linear(x)
+    finally:
+        lowbit.use_kernel(before)
+    # the same integer sums; only the float accumulation order differs
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-4)
+
+
+def _rms(x, g, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * g
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("per_lane", [False, True])
+def test_fused_rmsnorm_input(kernel, fmt, per_lane):
+    torch.manual_seed(4)
+    L, n, k, eps = 2, 24, 96, 1e-5
+    p = lowbit.pack(torch.randn(L, n, k), fmt)
+    w = p.dequantize()
+    x = torch.randn(L, 1, 1, k) * 5
+    g = torch.rand(L, 1, 1, k) + 0.5 if per_lane else torch.rand(k) + 0.5
+    y = p.linear(x, norm=g, eps=eps)
+    _assert_lanes_match(y, _rms(x, g, eps), w, slack=0.01)  # the norm itself is computed in float32 too
+    with pytest.raises(ValueError, match="norm weight"):
+        p.linear(x, norm=torch.ones(k + 1), eps=eps)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_fused_swiglu_input(kernel, fmt):
+    torch.manual_seed(5)
+    L, n, k = 2, 16, 64
+    p = lowbit.pack(torch.randn(L, n, k), fmt)
+    w = p.dequantize()
+    x = torch.randn(L, 3, 1, 2 * k) * 2
+    y = p.linear(x, swiglu=True)
+    gate, up = x.split(k, dim=-1)
+    _assert_lanes_match(y, torch.nn.functional.silu(gate) * up, w, slack=0.01)
+
+
+def test_bad_inputs_are_refused():
+    p = lowbit.pack(torch.randn(3, 8, 64), "int4")
+    with pytest.raises(ValueError, match="features"):
+        p.linear(torch.randn(3, 1, 63))
+    with pytest.raises(ValueError, match="lanes"):
+        p.linear(torch.randn(2, 1, 64))
+    with pytest.raises(ValueError, match="unknown low-bit format"):
+        lowbit.pack(torch.randn(4, 32), "int3")
+    with pytest.raises(ValueError, match="pack"):
+        lowbit.pack(torch.randn(32), "int8")
+    with pytest.raises(ValueError):
+        lowbit.use_kernel("sse9")
+
+
+# ---------------------------------------------------------------- attention
+
+
+def _rope(x, cos, sin):
+    x0, x1 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+
+
+def _reference(qkv, cos, sin, kc, vc, slot, n, hq, hkv):
+    """RoPE, the cache write and softmax attention over slots [0, n), written out in torch."""
+    N, hd = qkv.shape[0], kc.shape[-1]
+    q, k, v = qkv.view(N, hq + 2 * hkv, hd).split([hq, hkv, hkv], dim=1)
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    kc, vc = kc.clone(), vc.clone()
+    kc[:, :, slot], vc[:, :, slot] = k, v
+    rep = hq // hkv
+    keys, vals = kc[:, :, :n].repeat_interleave(rep, 1), vc[:, :, :n].repeat_interleave(rep, 1)
+    s = torch.einsum("nhd,nhtd->nht", q, keys) / math.sqrt(hd)
+    out = torch.einsum("nht,nhtd->nhd", s.softmax(-1), vals)
+    return out.reshape(N, hq * hd), kc, vc, torch.cat([q, k], 1).reshape(N, -1)
+
+
+@pytest.mark.parametrize("N,hq,hkv,hd,slots,slot,n", [
+    (1, 4, 2, 64, 16, 0, 1),       # the first token: it sees only itself
+    (2, 4, 2, 64, 16, 9, 10),      # two sequences, part of the cache
+    (1, 3, 3, 8, 8, 5, 8),         # no GQA sharing, a full ring buffer written mid-way
+    (1, 6, 2, 64, 1024, 999, 1000),  # long: split along the sequence and merged
+    (3, 2, 1, 12, 300, 150, 300),  # head dim not a multiple of 8: the portable loops
+    (1, 2, 1, 16, 257, 0, 257),    # wrapped ring: the new key lands in slot 0 of a full cache
+])
+def test_attend_matches_torch(kernel, N, hq, hkv, hd, slots, slot, n):
+    torch.manual_seed(6)
+    qkv = torch.randn(N, (hq + 2 * hkv) * hd)
+    ang = torch.rand(hd // 2) * 6
+    cos, sin = ang.cos(), ang.sin()
+    kc, vc = torch.randn(N, hkv, slots, hd), torch.randn(N, hkv, slots, hd)
+    ref, ref_k, ref_v, rotated = _reference(qkv, cos, sin, kc, vc, slot, n, hq, hkv)
+    work = qkv.clone()
+    out = lowbit.attend(work, cos, sin, kc, vc, slot, n, hq, hkv)
+    assert torch.allclose(out, ref, rtol=1e-4, atol=1e-5), float((out - ref).abs().max())
+    assert torch.allclose(kc, ref_k, atol=1e-6) and torch.allclose(vc, ref_v, atol=1e-6)  # only the slot changed
+    assert torch.allclose(work[:, :(hq + hkv) * hd], rotated, atol=1e-6)  # q and k rotated in place
+
+
+def test_attend_agrees_with_the_engine_attention():
+    from laneplay.engine.model import apply_rope, decode_attention
+
+    torch.manual_seed(7)
+    N, hq, hkv, hd, T = 2, 8, 4, 32, 40
+    qkv = torch.randn(N, (hq + 2 * hkv) * hd)
+    ang = torch.rand(1, hd // 2) * 3
+    kc, vc = torch.randn(N, hkv, T, hd), torch.randn(N, hkv, T, hd)
+    q, k, v = qkv.view(N, 1, -1).split([hq * hd, hkv * hd, hkv * hd], dim=-1)
+    q = apply_rope(q.reshape(N, 1, hq, hd), ang.cos(), ang.sin()).transpose(1, 2)
+    k = apply_rope(k.reshape(N, 1, hkv, hd), ang.cos(), ang.sin()).transpose(1, 2)
+    kr, vr = kc.clone(), vc.clone()
+    kr[:, :, T - 1:], vr[:, :, T - 1:] = k, v.reshape(N, 1, hkv, hd).transpose(1, 2)
+    ref = decode_attention(q, kr, vr).reshape(N, -1)
+    out = lowbit.attend(qkv.clone(), ang.cos().view(-1), ang.sin().view(-1), kc, vc, T - 1, T, hq, hkv)
+    assert torch.allclose(out, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_attend_refuses_bad_slots_and_shapes():
+    qkv, cs = torch.randn(1, 4 * 8), torch.ones(4)
+    kc = torch.zeros(1, 1, 4, 8)
+    with pytest.raises(ValueError, match="slot"):
+        lowbit.attend(qkv.clone(), cs, cs, kc, kc.clone(), 4, 4, 2, 1)
+    with pytest.raises(ValueError, match="slot"):
+        lowbit.attend(qkv.clone(), cs, cs, kc, kc.clone(), 0, 0, 2, 1)
+    with pytest.raises(ValueError, match="do not fit"):
+        lowbit.attend(qkv.clone(), cs, cs, kc, kc.clone(), 0, 1, 3, 1)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        lowbit.attend(qkv.double(), cs, cs, kc, kc.clone(), 0, 1, 2, 1)
