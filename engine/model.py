@@ -282,10 +282,13 @@ class LaneModel(nn.Module):
         self.dtype, self.device = self.embed.dtype, self.embed.device
         self.cos, self.sin = rope_tables(cfg, cfg.max_position_embeddings, self.device)
         self.lowbit = not isinstance(self.layers[0].wqkv, Tensor) if self.layers else False
+        self.fused_step = None
         if self.lowbit:  # packed weights (kernels.lowbit): fused low-bit decode blocks
             from laneplay.kernels import lowbit
 
             self.attention_block, self.mlp_block = lowbit.decode_blocks(cfg)
+            # one lane in one process: the whole step is one C call
+            self.fused_step = lowbit.DecodeStep(self) if lowbit.DecodeStep.fits(self) else None
         else:
             self.attention_block, self.mlp_block = decode_blocks(cfg)
 
@@ -387,6 +390,8 @@ class LaneModel(nn.Module):
         cfg = self.cfg
         if pos + 1 > cache.max_seq_len:
             raise ValueError(f"position {pos} is beyond the KV cache of {cache.max_seq_len} positions")
+        if self.fused_step is not None:
+            return self.fused_step(tokens, pos, cache)
         B = tokens.shape[0]
         h = F.embedding(tokens, self.embed).unsqueeze(0).expand(len(self.lanes), B, 1, cfg.hidden_size)
         cos, sin = self.cos[pos:pos + 1], self.sin[pos:pos + 1]

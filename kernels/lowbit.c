@@ -299,30 +299,32 @@ static const float *pre_row(int pre, const float *x, int64_t K, const float *g, 
     return tmp;
 }
 
-/* linear(fmt, L, N, K, Kp, M, qs, d, m, x, y, pre, g, g_per_lane, eps):
- *   y[l, i, n] = sum_k pre(x[l, i])[k] * w[l, n, k]
+/* A packed weight as the C side sees it. */
+typedef struct {
+    int fmt;
+    int64_t L, N, K, Kp;
+    const int8_t *qs;
+    const uint16_t *d, *m;
+} packed_t;
+
+/* y[l, i, n] (+)= sum_k pre(x[l, i])[k] * w[l, n, k]
  * x: float32 [L, M, K] ([L, M, 2K] for SwiGLU), y: float32 [L, M, N], weights packed [L, N, ...];
- * g: the RMSNorm weight, [K] or [L, K] (g_per_lane). */
-static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t a[14];
-    if (args_i64(args, nargs - 1, 14, a) < 0) return NULL;
-    double eps = PyFloat_AsDouble(args[14]);
-    if (eps == -1.0 && PyErr_Occurred()) return NULL;
-    int fmt = (int)a[0], pre = (int)a[11], g_lanes = (int)a[13];
-    int64_t L = a[1], N = a[2], K = a[3], Kp = a[4], M = a[5], nb = Kp / QK, ns = SPAD(nb);
-    const int8_t *qs = (const int8_t *)(intptr_t)a[6];
-    const uint16_t *wd = (const uint16_t *)(intptr_t)a[7], *wm = (const uint16_t *)(intptr_t)a[8];
-    const float *x = (const float *)(intptr_t)a[9], *g = (const float *)(intptr_t)a[12];
-    float *y = (float *)(intptr_t)a[10];
+ * g: the RMSNorm weight, [K] or [L, K] (g_lanes); acc: add into y instead of storing.
+ * Runs without the GIL; returns -1 when out of memory. */
+static int linear_run(const packed_t *w, int64_t M, const float *x, float *y, int pre, const float *g, int g_lanes,
+                      float eps, int acc) {
+    const int fmt = w->fmt;
+    const int64_t L = w->L, N = w->N, K = w->K, Kp = w->Kp, nb = Kp / QK, ns = SPAD(nb);
+    const int8_t *qs = w->qs;
+    const uint16_t *wd = w->d, *wm = w->m;
     int64_t row_bytes = fmt == FMT_Q8 ? Kp : Kp / 2, rows = L * M, xstride = pre == PRE_SWIGLU ? 2 * K : K;
     int nthreads = omp_get_max_threads();
     int paired = fmt == FMT_Q4 && DOT != dot_generic;
     size_t q_bytes = (size_t)(rows * Kp + 63) / 64 * 64, s_bytes = 2 * sizeof(float) * (size_t)(rows * ns);
     size_t t_bytes = pre != PRE_NONE ? sizeof(float) * (size_t)(K * nthreads) : 0;
     int8_t *xq = (int8_t *)aligned_alloc(64, (q_bytes + s_bytes + t_bytes + 63) / 64 * 64);
-    if (!xq) return PyErr_NoMemory();
+    if (!xq) return -1;
     float *xd = (float *)(xq + q_bytes), *xs = xd + rows * ns, *tmp = xs + rows * ns;
-    Py_BEGIN_ALLOW_THREADS
     /* Tokens are taken in tiles so that a tile's quantized rows stay in cache while the packed
      * weights stream past them once per tile. */
     const int64_t tile = 64;
@@ -331,7 +333,7 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nar
         float *mine = tmp + (pre != PRE_NONE ? K * omp_get_thread_num() : 0);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
-            const float *row = pre_row(pre, x + r * xstride, K, g + (g_lanes ? (r / M) * K : 0), (float)eps, mine);
+            const float *row = pre_row(pre, x + r * xstride, K, g + (g_lanes ? (r / M) * K : 0), eps, mine);
             quantize_act(row, K, Kp, xq + r * Kp, xd + r * ns, xs + r * ns, paired);
         }
         for (int64_t l = 0; l < L; l++) {
@@ -347,14 +349,39 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nar
                         float out[MAXR];
                         DOT(fmt, nb, row_bytes, wq + n * row_bytes, ld + n * ns, lm ? lm + n * ns : NULL, R,
                             xq + row * Kp, xd + row * ns, xs + row * ns, out);
-                        for (int r = 0; r < R; r++) y[row * N + n + r] = out[r];
+                        if (acc)
+                            for (int r = 0; r < R; r++) y[row * N + n + r] += out[r];
+                        else
+                            for (int r = 0; r < R; r++) y[row * N + n + r] = out[r];
                     }
                 }
             }
         }
     }
-    Py_END_ALLOW_THREADS
     free(xq);
+    return 0;
+}
+
+static packed_t packed_from(const int64_t *a) {  /* fmt, L, N, K, Kp, qs, d, m */
+    packed_t w = {(int)a[0], a[1], a[2], a[3], a[4], (const int8_t *)(intptr_t)a[5],
+                  (const uint16_t *)(intptr_t)a[6], (const uint16_t *)(intptr_t)a[7]};
+    return w;
+}
+
+/* linear(fmt, L, N, K, Kp, M, qs, d, m, x, y, pre, g, g_per_lane, eps): linear_run() from Python */
+static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t a[14];
+    if (args_i64(args, nargs - 1, 14, a) < 0) return NULL;
+    double eps = PyFloat_AsDouble(args[14]);
+    if (eps == -1.0 && PyErr_Occurred()) return NULL;
+    int64_t w[8] = {a[0], a[1], a[2], a[3], a[4], a[6], a[7], a[8]};
+    packed_t pw = packed_from(w);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = linear_run(&pw, a[5], (const float *)(intptr_t)a[9], (float *)(intptr_t)a[10], (int)a[11],
+                    (const float *)(intptr_t)a[12], (int)a[13], (float)eps, 0);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
@@ -498,17 +525,8 @@ static void rope(float *v, const float *cos, const float *sin, int64_t hd) {  /*
  * order, and attention does not depend on the order). out: float32 [N, hq hd].
  * Work is split over (sequence, KV head, stretch of slots); the stretches are merged by their
  * log-sum-exp (flash-decoding), so one long sequence still uses every thread. */
-static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t a[13];
-    if (args_i64(args, nargs, 13, a) < 0) return NULL;
-    int64_t N = a[0], hq = a[1], hkv = a[2], hd = a[3], slots = a[9], slot = a[10], nvis = a[11];
-    float *qkv = (float *)(intptr_t)a[4], *kc = (float *)(intptr_t)a[7], *vc = (float *)(intptr_t)a[8];
-    const float *cos = (const float *)(intptr_t)a[5], *sin = (const float *)(intptr_t)a[6];
-    float *out = (float *)(intptr_t)a[12];
-    if (nvis < 1 || nvis > slots || slot < 0 || slot >= slots || hq % hkv) {
-        PyErr_SetString(PyExc_ValueError, "attend: bad slot, visible count or head counts");
-        return NULL;
-    }
+static int attend_run(int64_t N, int64_t hq, int64_t hkv, int64_t hd, float *qkv, const float *cos, const float *sin,
+                      float *kc, float *vc, int64_t slots, int64_t slot, int64_t nvis, float *out) {
     int64_t rep = hq / hkv, width = (hq + 2 * hkv) * hd, units = N * hkv;
     int nthreads = omp_get_max_threads();
     int64_t parts = 1;  /* stretches per (sequence, KV head): enough work items for every thread */
@@ -517,10 +535,9 @@ static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nar
     /* per (unit, part, query head of the group): running max, sum, and the weighted values */
     float *part = (float *)malloc(sizeof(float) * (size_t)(units * parts * rep * (hd + 2)));
     float *scores = (float *)malloc(sizeof(float) * (size_t)(nthreads * span));
-    if (!part || !scores) { free(part); free(scores); return PyErr_NoMemory(); }
+    if (!part || !scores) { free(part); free(scores); return -1; }
     float scale = 1.0f / sqrtf((float)hd);
     int fast = DOT != dot_generic && hd % 8 == 0;  /* the AVX2 loops (the kernel choice covers them too) */
-    Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel num_threads(units * nvis * hd >= 8192 ? nthreads : 1)
     {
 #pragma omp for schedule(static)
@@ -580,9 +597,97 @@ static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nar
             for (int64_t j = 0; j < hd; j++) o[j] /= sum;
         }
     }
-    Py_END_ALLOW_THREADS
     free(part);
     free(scores);
+    return 0;
+}
+
+static int attend_args_ok(int64_t hq, int64_t hkv, int64_t slots, int64_t slot, int64_t nvis) {
+    return nvis >= 1 && nvis <= slots && slot >= 0 && slot < slots && hkv >= 1 && hq % hkv == 0;
+}
+
+static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t a[13];
+    if (args_i64(args, nargs, 13, a) < 0) return NULL;
+    if (!attend_args_ok(a[1], a[2], a[9], a[10], a[11])) {
+        PyErr_SetString(PyExc_ValueError, "attend: bad slot, visible count or head counts");
+        return NULL;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = attend_run(a[0], a[1], a[2], a[3], (float *)(intptr_t)a[4], (const float *)(intptr_t)a[5],
+                    (const float *)(intptr_t)a[6], (float *)(intptr_t)a[7], (float *)(intptr_t)a[8], a[9], a[10],
+                    a[11], (float *)(intptr_t)a[12]);
+    Py_END_ALLOW_THREADS
+    if (rc < 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+/* ---- a whole decode step of a one-lane model ---------------------------------------------------
+ * For a model whose residual stream needs no cross-lane sums (one lane, one process), the step is a
+ * fixed sequence of the calls above, so it runs here in one call with no Python between layers:
+ * per layer  h += wo . attend(rope(wqkv . rmsnorm(h)))  and  h += w2 . swiglu(w13 . rmsnorm(h)),
+ * then logits = head . rmsnorm(h). The products and the attention are the same functions the
+ * per-block path calls, and the residual adds are the same float additions. */
+
+enum { LW = 8, PL_ANORM = 0, PL_WQKV = 1, PL_WO = 1 + LW, PL_FNORM = 1 + 2 * LW, PL_W13 = 2 + 2 * LW,
+       PL_W2 = 2 + 3 * LW, PLAN = 2 + 4 * LW };
+
+/* step(plan, layers, cache, B, hq, hkv, hd, h, cos, sin, pos, head, norm, logits, eps)
+ * plan: int64 [layers, PLAN]: attn_norm, wqkv (fmt, L, N, K, Kp, qs, d, m), wo (...), ffn_norm, w13, w2;
+ * cache: int64 [layers, 3]: k, v, slots; h: float32 [B, D], the residual (updated in place);
+ * cos/sin: this position's [hd/2]; head: int64 [8] (as a weight in plan), norm: the final norm;
+ * logits: float32 [B, V]. */
+static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t a[14];
+    if (args_i64(args, nargs - 1, 14, a) < 0) return NULL;
+    double eps = PyFloat_AsDouble(args[14]);
+    if (eps == -1.0 && PyErr_Occurred()) return NULL;
+    const int64_t *plan = (const int64_t *)(intptr_t)a[0], *cache = (const int64_t *)(intptr_t)a[2];
+    int64_t layers = a[1], B = a[3], hq = a[4], hkv = a[5], hd = a[6], pos = a[10];
+    float *h = (float *)(intptr_t)a[7];
+    const float *cos = (const float *)(intptr_t)a[8], *sin = (const float *)(intptr_t)a[9];
+    const int64_t *head = (const int64_t *)(intptr_t)a[11];
+    const float *norm = (const float *)(intptr_t)a[12];
+    float *logits = (float *)(intptr_t)a[13];
+    int64_t qkv_w = 0, o_w = 0, u_w = 0;
+    for (int64_t i = 0; i < layers; i++) {
+        const int64_t *p = plan + i * PLAN, *c = cache + i * 3;
+        if (p[PL_WQKV + 2] != (hq + 2 * hkv) * hd || p[PL_WO + 3] != hq * hd || p[PL_W2 + 3] * 2 != p[PL_W13 + 2]
+            || p[PL_WQKV + 1] != 1 || p[PL_WO + 1] != 1 || p[PL_W13 + 1] != 1 || p[PL_W2 + 1] != 1
+            || !attend_args_ok(hq, hkv, c[2], pos % c[2], pos + 1 < c[2] ? pos + 1 : c[2])) {
+            PyErr_Format(PyExc_ValueError, "step: layer %lld does not fit the plan", (long long)i);
+            return NULL;
+        }
+        qkv_w = p[PL_WQKV + 2] > qkv_w ? p[PL_WQKV + 2] : qkv_w;
+        o_w = p[PL_WO + 3] > o_w ? p[PL_WO + 3] : o_w;
+        u_w = p[PL_W13 + 2] > u_w ? p[PL_W13 + 2] : u_w;
+    }
+    float *qkv = (float *)malloc(sizeof(float) * (size_t)(B * (qkv_w + o_w + u_w)));
+    if (!qkv) return PyErr_NoMemory();
+    float *o = qkv + B * qkv_w, *u = o + B * o_w;
+    int rc = 0;
+    float e = (float)eps;
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t i = 0; i < layers && rc == 0; i++) {
+        const int64_t *p = plan + i * PLAN, *c = cache + i * 3;
+        packed_t wqkv = packed_from(p + PL_WQKV), wo = packed_from(p + PL_WO);
+        packed_t w13 = packed_from(p + PL_W13), w2 = packed_from(p + PL_W2);
+        int64_t slots = c[2];
+        rc |= linear_run(&wqkv, B, h, qkv, PRE_RMSNORM, (const float *)(intptr_t)p[PL_ANORM], 0, e, 0);
+        rc |= attend_run(B, hq, hkv, hd, qkv, cos, sin, (float *)(intptr_t)c[0], (float *)(intptr_t)c[1], slots,
+                         pos % slots, pos + 1 < slots ? pos + 1 : slots, o);
+        rc |= linear_run(&wo, B, o, h, PRE_NONE, NULL, 0, e, 1);
+        rc |= linear_run(&w13, B, h, u, PRE_RMSNORM, (const float *)(intptr_t)p[PL_FNORM], 0, e, 0);
+        rc |= linear_run(&w2, B, u, h, PRE_SWIGLU, NULL, 0, e, 1);
+    }
+    if (rc == 0) {
+        packed_t hw = packed_from(head);
+        rc |= linear_run(&hw, B, h, logits, PRE_RMSNORM, norm, 0, e, 0);
+    }
+    Py_END_ALLOW_THREADS
+    free(qkv);
+    if (rc < 0) return PyErr_NoMemory();
     Py_RETURN_NONE;
 }
 
@@ -613,6 +718,8 @@ static PyMethodDef METHODS[] = {
      "linear(fmt, L, N, K, Kp, M, qs, d, m, x, y, pre, g, g_per_lane, eps)"},
     {"attend", (PyCFunction)(void (*)(void))py_attend, METH_FASTCALL,
      "attend(N, hq, hkv, hd, qkv, cos, sin, kc, vc, slots, slot, nvis, out)"},
+    {"step", (PyCFunction)(void (*)(void))py_step, METH_FASTCALL,
+     "step(plan, layers, cache, B, hq, hkv, hd, h, cos, sin, pos, head, norm, logits, eps)"},
     {"kernel", py_kernel, METH_NOARGS, "the dot-product kernel in use"},
     {"use", py_use, METH_O, "use('avx2' | 'generic')"},
     {NULL, NULL, 0, NULL},

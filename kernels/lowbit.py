@@ -11,6 +11,8 @@ product is scaled once, so a decode step streams the packed bytes and nothing el
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor
 
@@ -75,6 +77,10 @@ class PackedWeight:
         for s in self.shape:
             n *= s
         return n
+
+    def desc(self) -> list[int]:
+        """The weight as the C step reads it: fmt, lanes, rows, cols, padded cols, and its buffers."""
+        return [*self._args[:1], self.lanes, self.rows, self.cols, self.padded, *self._ptrs]
 
     def __repr__(self) -> str:
         return f"PackedWeight({self.fmt}, shape={list(self.shape)}, {self.nbytes / 2**20:.1f} MiB)"
@@ -160,6 +166,72 @@ def decode_blocks(cfg):
         return w2.linear(w13.linear(h, norm=norm_w, eps=eps), swiglu=True)
 
     return attention_block, mlp_block
+
+
+class DecodeStep:
+    """A whole decode step of a one-lane packed model in one C call (`_lowbit.step`).
+
+    With one lane in one process the residual stream needs no cross-lane sums, so every layer is
+    h += wo . attend(wqkv . norm(h)); h += w2 . swiglu(w13 . norm(h)), and the logits are
+    head . norm(h): the same C products and attention the per-block path calls, without Python
+    between them. `LaneModel.decode` uses it when `DecodeStep.fits(model)`.
+    """
+
+    def __init__(self, model):
+        require()
+        cfg = model.cfg
+        self.hq, self.hkv, self.hd, self.eps = cfg.heads_per_lane, cfg.kv_heads_per_lane, cfg.head_dim, cfg.norm_eps
+        self.embed, self.cos, self.sin = model.embed, model.cos, model.sin
+        self.norms = []  # contiguous float32 norm weights, kept alive for the plan's pointers
+        rows = []
+        for w in model.layers:
+            an, fn = self._norm(w.attn_norm), self._norm(w.ffn_norm)
+            rows.append([an.data_ptr(), *w.wqkv.desc(), *w.wo.desc(), fn.data_ptr(), *w.w13.desc(), *w.w2.desc()])
+        self.plan = torch.tensor(rows, dtype=torch.int64).contiguous()
+        self.norm = self._norm(model.norm)
+        self.head = torch.tensor(model.head_weight.desc(), dtype=torch.int64)
+        self.vocab = model.head_weight.rows
+        self.layers = len(rows)
+        self._memo = None
+
+    def _norm(self, t: Tensor) -> Tensor:
+        t = t.detach().reshape(-1).float().contiguous()
+        self.norms.append(t)
+        return t
+
+    @staticmethod
+    def fits(model) -> bool:
+        """One lane, all of it in this process (no collectives), packed projections and head."""
+        from laneplay.engine.model import LocalLanes
+
+        return (available() and model.lowbit and len(model.lanes) == 1 and model.cfg.num_lanes == 1
+                and isinstance(model.comm, LocalLanes) and isinstance(model.head_weight, PackedWeight)
+                and model.head_weight.lanes == 1 and model.cos.dtype == torch.float32
+                and all(w.wqkv.lanes == w.wo.lanes == w.w13.lanes == w.w2.lanes == 1 for w in model.layers))
+
+    def _table(self, cache) -> Tensor:
+        memo = self._memo  # (the cache, its table), read and replaced whole: safe across threads
+        if memo is None or memo[0]() is not cache:  # the cache's buffers, once per cache
+            for k, v in zip(cache.k, cache.v):
+                if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in (k, v)):
+                    raise ValueError("the low-bit step needs a contiguous float32 CPU cache")
+            memo = (weakref.ref(cache), torch.tensor([[k.data_ptr(), v.data_ptr(), s] for k, v, s in
+                                                      zip(cache.k, cache.v, cache.slots)], dtype=torch.int64))
+            self._memo = memo
+        return memo[1]
+
+    def __call__(self, tokens: Tensor, pos: int, cache) -> Tensor:
+        """tokens [B, 1] at position pos -> logits [B, V]; writes this position into the cache."""
+        B = tokens.shape[0]
+        if cache.k[0].shape[0] != B:
+            raise ValueError(f"a cache of {cache.k[0].shape[0]} sequences cannot take {B} tokens")
+        table = self._table(cache)
+        h = torch.nn.functional.embedding(tokens.reshape(B), self.embed).float().contiguous()
+        logits = torch.empty(B, self.vocab, dtype=torch.float32)
+        _lowbit.step(self.plan.data_ptr(), self.layers, table.data_ptr(), B, self.hq, self.hkv, self.hd,
+                     h.data_ptr(), self.cos[pos].data_ptr(), self.sin[pos].data_ptr(), pos, self.head.data_ptr(),
+                     self.norm.data_ptr(), logits.data_ptr(), self.eps)
+        return logits
 
 
 def pack(w: Tensor, fmt: str) -> PackedWeight:
