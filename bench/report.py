@@ -3,7 +3,7 @@
     python -m laneplay.bench.report [--results DIR]
 
 Prints Markdown: the decode table (ours vs transformers vs llama.cpp at each prompt length), batched
-samples, and the DTP A/B, each with the machine, date and whether the run was flagged noisy.
+samples, where a step goes, the low-bit paths' quality against float32, and the DTP A/B, each with the machine, date and whether the run was flagged noisy.
 """
 from __future__ import annotations
 
@@ -47,6 +47,20 @@ def decode_tables(d: dict) -> str:
     return "\n".join(lines)
 
 
+def quality_tables(d: dict) -> str:
+    """bench/lowbit_quality.py's run: the low-bit paths against float32 on the default model."""
+    lines = [f"Low-bit quality vs float32, default model, {(d.get('when') or '')[:10]}; teacher-forced over "
+             f"{d.get('corpus', 'a code corpus')}:", "",
+             "| dtype | positions | top-1 agreement | max abs Δlogit | mean abs Δlogit |", "|---|---|---|---|---|"]
+    lines += [f"| {r['dtype']} | {r['positions']} | {r['top1_agreement']:.2%} | {r['max_abs_dlogit']:.3f} | "
+              f"{r['mean_abs_dlogit']:.4f} |" for r in d.get("agreement") or []]
+    if d.get("humaneval"):
+        lines += ["", f"Greedy HumanEval pass@1 ({d.get('problems')}, instruct mode, checked in the sandbox):", "",
+                  "| dtype | problems | greedy pass@1 |", "|---|---|---|"]
+        lines += [f"| {r['dtype']} | {r['problems']} | {r['greedy_pass1']:.3f} |" for r in d["humaneval"]]
+    return "\n".join(lines)
+
+
 def dtp_table(d: dict) -> str:
     lines = [f"DTP A/B, {_head(d)}: {d.get('note', '')}", "",
              "| mode | ranks | ms/token | tok/s | delayed-wait ms/token | wait-now ms/token |", "|---|---|---|---|---|---|"]
@@ -84,8 +98,8 @@ def gpu_tables(d: dict) -> str:
 
 def report(folder: Path = RESULTS) -> str:
     parts = []
-    for name, render in (("decode-cpu.json", decode_tables), ("dtp-cpu.json", dtp_table),
-                         ("gpu-check.json", gpu_tables)):
+    for name, render in (("decode-cpu.json", decode_tables), ("lowbit-quality.json", quality_tables),
+                         ("dtp-cpu.json", dtp_table), ("gpu-check.json", gpu_tables)):
         path = Path(folder) / name
         if path.is_file():
             parts.append(render(json.loads(path.read_text())))

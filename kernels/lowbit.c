@@ -6,8 +6,9 @@
  *       element j + 16 in the high nibble), fp16 scale d and fp16 minimum m per block  w = d * q + m
  * where S = Kp/32 rounded up to a multiple of 8 (the padding scales are zero), so the kernels read
  * scales 8 at a time with no tail.
- * The activations are quantized per call to int8 blocks of 32 (scale = max|x| / 127), and each
- * block's dot product is an integer sum scaled once, so a token streams ~0.56 (q4) or ~1.06 (q8)
+ * The activations are quantized per call to int8 blocks of 32 (scale = max|x| / 127), by default with
+ * a second int8 code per value for its rounding rest (16-bit activations; see quantize_act), and each
+ * block's dot products are integer sums scaled once, so a token streams ~0.56 (q4) or ~1.06 (q8)
  * bytes per weight instead of 4. AVX2 kernels where the CPU has them, portable C otherwise; rows
  * are shared out over OpenMP threads (torch's own pool: torch has loaded libgomp before us).
  */
@@ -72,11 +73,15 @@ static void pack_row(int fmt, const float *x, int64_t K, int64_t Kp, int8_t *qs,
     }
 }
 
-/* ---- activations: float rows -> int8 blocks (scale, and scale * sum of codes for q4's minimum) ---- */
+/* ---- activations: float rows -> int8 blocks ------------------------------------------------------
+ * Each block of 32 gets a scale d and int8 codes q (x ~ d q, |error| <= max|x| / 254); with q2 (the
+ * "16-bit" activations) also the rounding rest in 254ths of a step (x ~ d (254 q + q2), |error| <=
+ * max|x| / 64516), which the dot products take as a second integer sum over the same weight codes. */
 
 /* paired: the AVX2 q4 kernel's order, blocks b, b + 1 (b even) stored as [b 0..15 | b+1 0..15 | b 16..31 |
  * b+1 16..31], which is how one 32-byte load of their packed codes splits into low and high nibbles. */
-static void quantize_act(const float *x, int64_t K, int64_t Kp, int8_t *q, float *d, float *s, int paired) {
+static void quantize_act(const float *x, int64_t K, int64_t Kp, int8_t *q, float *d, float *s, int paired,
+                         int8_t *q2) {
     for (int64_t b = Kp / QK; b < SPAD(Kp / QK); b++) d[b] = s[b] = 0.0f;
     for (int64_t b = 0; b < Kp / QK; b++) {
         float buf[QK], amax = 0.0f;
@@ -84,24 +89,34 @@ static void quantize_act(const float *x, int64_t K, int64_t Kp, int8_t *q, float
             buf[j] = (b * QK + j < K) ? x[b * QK + j] : 0.0f;
             amax = fmaxf(amax, fabsf(buf[j]));
         }
-        float df = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
         int sum = 0;
+        float df = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
         for (int j = 0; j < QK; j++) {
-            int v = (int)nearbyintf(buf[j] * id);
+            float v = nearbyintf(buf[j] * id);
             q[b * QK + j] = (int8_t)v;
-            sum += v;
+            sum += (q2 ? 254 : 1) * (int)v;
+            if (q2) {  /* the rest, |x - df v| <= df / 2, in steps of df / 254 */
+                float v2 = nearbyintf((buf[j] - df * v) * id * 254.0f);
+                v2 = v2 > 127.0f ? 127.0f : v2 < -127.0f ? -127.0f : v2;
+                q2[b * QK + j] = (int8_t)v2;
+                sum += (int)v2;
+            }
         }
-        d[b] = df;
-        s[b] = df * (float)sum;
+        d[b] = q2 ? df / 254.0f : df;  /* q2: the block's value is d * (254 q + q2) */
+        /* for q4's minimum: the sum of the inputs as quantized, so that each weight's error is its own
+         * value times its input's (the minimum's term cancels against the codes' term) */
+        s[b] = d[b] * (float)sum;
     }
-    if (paired)
+    for (int pass = 0; paired && pass < (q2 ? 2 : 1); pass++) {
+        int8_t *base = pass ? q2 : q;
         for (int64_t b = 0; b + 1 < Kp / QK; b += 2) {
             int8_t t[2 * QK];
-            int8_t *p = q + b * QK;
+            int8_t *p = base + b * QK;
             memcpy(t, p + 16, 16);       /* b 16..31 */
             memcpy(p + 16, p + 32, 16);  /* b+1 0..15 */
             memcpy(p + 32, t, 16);
         }
+    }
 }
 
 /* ---- dot products of up to 4 packed rows with one activation row ------------------------------
@@ -116,23 +131,30 @@ static void quantize_act(const float *x, int64_t K, int64_t Kp, int8_t *q, float
 #endif
 
 static void dot_generic(int fmt, int64_t nb, int64_t row_bytes, const int8_t *qs, const uint16_t *wd,
-                        const uint16_t *wm, int R, const int8_t *xq, const float *xd, const float *xs, float *out) {
+                        const uint16_t *wm, int R, const int8_t *xq, const int8_t *xq2, const float *xd,
+                        const float *xs, float *out) {
     int64_t ns = SPAD(nb);
     for (int r = 0; r < R; r++) {
         const int8_t *q = qs + r * row_bytes;
         const uint16_t *d = wd + r * ns, *m = wm ? wm + r * ns : NULL;
         float acc = 0.0f;
         for (int64_t b = 0; b < nb; b++) {
-            int isum = 0;
+            int isum = 0, isum2 = 0;
+            const int8_t *a = xq + b * QK, *a2 = xq2 ? xq2 + b * QK : xq + b * QK;
             if (fmt == FMT_Q8) {
-                for (int j = 0; j < QK; j++) isum += (int)q[b * QK + j] * (int)xq[b * QK + j];
-                acc += h2f(d[b]) * xd[b] * (float)isum;
+                for (int j = 0; j < QK; j++) {
+                    isum += (int)q[b * QK + j] * (int)a[j];
+                    isum2 += (int)q[b * QK + j] * (int)a2[j];
+                }
             } else {
                 const uint8_t *p = (const uint8_t *)q + b * (QK / 2);
-                for (int j = 0; j < QK / 2; j++)
-                    isum += (int)(p[j] & 15) * xq[b * QK + j] + (int)(p[j] >> 4) * xq[b * QK + j + QK / 2];
-                acc += h2f(d[b]) * xd[b] * (float)isum + h2f(m[b]) * xs[b];
+                for (int j = 0; j < QK / 2; j++) {
+                    isum += (int)(p[j] & 15) * a[j] + (int)(p[j] >> 4) * a[j + QK / 2];
+                    isum2 += (int)(p[j] & 15) * a2[j] + (int)(p[j] >> 4) * a2[j + QK / 2];
+                }
             }
+            if (xq2) isum = 254 * isum + isum2;
+            acc += h2f(d[b]) * xd[b] * (float)isum + (fmt == FMT_Q4 ? h2f(m[b]) * xs[b] : 0.0f);
         }
         out[r] = acc;
     }
@@ -153,9 +175,11 @@ AVX2_FN static inline float hsum8(__m256 v) {
  * time (rows and activations carry zero scales up to a multiple of 8); the q4 minimum's
  * contribution is one FMA per 8 blocks. */
 AVX2_FN static inline __attribute__((always_inline)) void
-dot_rows_avx2(const int fmt, const int R, int64_t nb, int64_t row_bytes, const int8_t *qs, const uint16_t *wd,
-              const uint16_t *wm, const int8_t *xq, const float *xd, const float *xs, float *out) {
+dot_rows_avx2(const int fmt, const int R, const int hi, int64_t nb, int64_t row_bytes, const int8_t *qs,
+              const uint16_t *wd, const uint16_t *wm, const int8_t *xq, const int8_t *xq2, const float *xd,
+              const float *xs, float *out) {
     const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
+    const __m256i k254 = _mm256_set1_epi16(254);  /* hi: 254 * (first sum) + second sum */
     __m256 acc[MAXR], macc[MAXR];
     const int64_t ns = SPAD(nb);
     for (int r = 0; r < R; r++) { acc[r] = _mm256_setzero_ps(); macc[r] = _mm256_setzero_ps(); }
@@ -182,10 +206,19 @@ dot_rows_avx2(const int fmt, const int R, int64_t nb, int64_t row_bytes, const i
                     for (int r = 0; r < R; r++) _mm_prefetch((const char *)(qs + (PFD * R + r) * row_bytes + b * (QK / 2)), _MM_HINT_T0);
                 for (int r = 0; r < R; r++) {
                     __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + r * row_bytes + b * (QK / 2)));
-                    __m256i lo = _mm256_and_si256(raw, low4), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-                    __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, alo), _mm256_maddubs_epi16(hi, ahi));
+                    __m256i lo = _mm256_and_si256(raw, low4), hn = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                    __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, alo), _mm256_maddubs_epi16(hn, ahi));
+                    __m256i isum;
+                    if (hi) {
+                        __m256i blo = _mm256_loadu_si256((const __m256i *)(xq2 + b * QK));
+                        __m256i bhi = _mm256_loadu_si256((const __m256i *)(xq2 + b * QK + QK));
+                        __m256i p2 = _mm256_add_epi16(_mm256_maddubs_epi16(lo, blo), _mm256_maddubs_epi16(hn, bhi));
+                        isum = _mm256_add_epi32(_mm256_madd_epi16(p, k254), _mm256_madd_epi16(p2, ones));
+                    } else {
+                        isum = _mm256_madd_epi16(p, ones);
+                    }
                     __m256 scv = _mm256_permutevar8x32_ps(_mm256_loadu_ps(sc[r]), idx);
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), scv, acc[r]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scv, acc[r]);
                 }
             }
             if (j < n8) {  /* the row's last block, alone (natural order) */
@@ -194,9 +227,11 @@ dot_rows_avx2(const int fmt, const int R, int64_t nb, int64_t row_bytes, const i
                 for (int r = 0; r < R; r++) {
                     __m128i raw = _mm_loadu_si128((const __m128i *)(qs + r * row_bytes + b * (QK / 2)));
                     __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
-                    __m256i p = _mm256_maddubs_epi16(w, a);
-                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)),
-                                             _mm256_broadcast_ss(&sc[r][j]), acc[r]);
+                    __m256i isum = _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), hi ? k254 : ones);
+                    if (hi)
+                        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(
+                            w, _mm256_loadu_si256((const __m256i *)(xq2 + b * QK))), ones));
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_broadcast_ss(&sc[r][j]), acc[r]);
                 }
             }
             continue;
@@ -207,18 +242,23 @@ dot_rows_avx2(const int fmt, const int R, int64_t nb, int64_t row_bytes, const i
             if (PF && (j & 1) == 0)  /* the next rows' codes, a group ahead: one line per row per 64 bytes */
                 for (int r = 0; r < R; r++)
                     _mm_prefetch((const char *)(qs + (PFD * R + r) * row_bytes + b * (fmt == FMT_Q8 ? QK : QK / 2)), _MM_HINT_T0);
+            __m256i a2 = hi ? _mm256_loadu_si256((const __m256i *)(xq2 + b * QK)) : a;
             for (int r = 0; r < R; r++) {
-                __m256i p;
+                __m256i p, p2 = ones;
                 if (fmt == FMT_Q8) {
                     __m256i w = _mm256_loadu_si256((const __m256i *)(qs + r * row_bytes + b * QK));
-                    p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
+                    __m256i aw = _mm256_sign_epi8(w, w);
+                    p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(a, w));
+                    if (hi) p2 = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(a2, w));
                 } else {
                     __m128i raw = _mm_loadu_si128((const __m128i *)(qs + r * row_bytes + b * (QK / 2)));
                     __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
                     p = _mm256_maddubs_epi16(w, a);
+                    if (hi) p2 = _mm256_maddubs_epi16(w, a2);
                 }
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)),
-                                         _mm256_broadcast_ss(&sc[r][j]), acc[r]);
+                __m256i isum = _mm256_madd_epi16(p, hi ? k254 : ones);
+                if (hi) isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p2, ones));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_broadcast_ss(&sc[r][j]), acc[r]);
             }
         }
     }
@@ -226,25 +266,35 @@ dot_rows_avx2(const int fmt, const int R, int64_t nb, int64_t row_bytes, const i
 }
 
 AVX2_FN static void dot_avx2(int fmt, int64_t nb, int64_t row_bytes, const int8_t *qs, const uint16_t *wd,
-                             const uint16_t *wm, int R, const int8_t *xq, const float *xd, const float *xs,
-                             float *out) {
+                             const uint16_t *wm, int R, const int8_t *xq, const int8_t *xq2, const float *xd,
+                             const float *xs, float *out) {
+#define ROWS(F, HI)                                                                                          \
+    do {                                                                                                     \
+        if (R == 4) { dot_rows_avx2(F, 4, HI, nb, row_bytes, qs, wd, wm, xq, xq2, xd, xs, out); return; }    \
+        for (int r = 0; r < R; r++)                                                                          \
+            dot_rows_avx2(F, 1, HI, nb, row_bytes, qs + r * row_bytes, wd + r * SPAD(nb),                    \
+                          F == FMT_Q4 ? wm + r * SPAD(nb) : NULL, xq, xq2, xd, xs, out + r);                  \
+        return;                                                                                              \
+    } while (0)
     if (fmt == FMT_Q8) {
-        if (R == 4) { dot_rows_avx2(FMT_Q8, 4, nb, row_bytes, qs, wd, wm, xq, xd, xs, out); return; }
-        for (int r = 0; r < R; r++)
-            dot_rows_avx2(FMT_Q8, 1, nb, row_bytes, qs + r * row_bytes, wd + r * SPAD(nb), NULL, xq, xd, xs, out + r);
-    } else {
-        if (R == 4) { dot_rows_avx2(FMT_Q4, 4, nb, row_bytes, qs, wd, wm, xq, xd, xs, out); return; }
-        for (int r = 0; r < R; r++)
-            dot_rows_avx2(FMT_Q4, 1, nb, row_bytes, qs + r * row_bytes, wd + r * SPAD(nb), wm + r * SPAD(nb), xq,
-                          xd, xs, out + r);
+        if (xq2) ROWS(FMT_Q8, 1);
+        ROWS(FMT_Q8, 0);
     }
+    if (xq2) ROWS(FMT_Q4, 1);
+    ROWS(FMT_Q4, 0);
+#undef ROWS
 }
 #endif
 
 typedef void (*dot_fn)(int, int64_t, int64_t, const int8_t *, const uint16_t *, const uint16_t *, int,
-                       const int8_t *, const float *, const float *, float *);
+                       const int8_t *, const int8_t *, const float *, const float *, float *);
 static dot_fn DOT = dot_generic;
 static const char *KERNEL = "generic";
+static int ACT_BITS = 16;  /* activations: 8 (int8 blocks) or 16 (int8 blocks plus their rounding rest) */
+/* 16-bit activations where a product waits on memory (up to this many rows per lane: decode steps and
+ * sampled batches), int8 alone where it is arithmetic-bound (prompt chunks), where the rest's second
+ * integer sum would cost as much again. */
+#define ACT16_MAX_ROWS 16
 
 /* ---- Python entry points (pointers and sizes as ints; the torch side owns every buffer) ----- */
 
@@ -320,11 +370,13 @@ static int linear_run(const packed_t *w, int64_t M, const float *x, float *y, in
     int64_t row_bytes = fmt == FMT_Q8 ? Kp : Kp / 2, rows = L * M, xstride = pre == PRE_SWIGLU ? 2 * K : K;
     int nthreads = omp_get_max_threads();
     int paired = fmt == FMT_Q4 && DOT != dot_generic;
+    int hi = ACT_BITS == 16 && M <= ACT16_MAX_ROWS;
     size_t q_bytes = (size_t)(rows * Kp + 63) / 64 * 64, s_bytes = 2 * sizeof(float) * (size_t)(rows * ns);
     size_t t_bytes = pre != PRE_NONE ? sizeof(float) * (size_t)(K * nthreads) : 0;
-    int8_t *xq = (int8_t *)aligned_alloc(64, (q_bytes + s_bytes + t_bytes + 63) / 64 * 64);
+    int8_t *xq = (int8_t *)aligned_alloc(64, ((1 + hi) * q_bytes + s_bytes + t_bytes + 63) / 64 * 64);
     if (!xq) return -1;
-    float *xd = (float *)(xq + q_bytes), *xs = xd + rows * ns, *tmp = xs + rows * ns;
+    int8_t *xq2 = hi ? xq + q_bytes : NULL;
+    float *xd = (float *)(xq + (1 + hi) * q_bytes), *xs = xd + rows * ns, *tmp = xs + rows * ns;
     /* Tokens are taken in tiles so that a tile's quantized rows stay in cache while the packed
      * weights stream past them once per tile. */
     const int64_t tile = 64;
@@ -334,7 +386,7 @@ static int linear_run(const packed_t *w, int64_t M, const float *x, float *y, in
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < rows; r++) {
             const float *row = pre_row(pre, x + r * xstride, K, g + (g_lanes ? (r / M) * K : 0), eps, mine);
-            quantize_act(row, K, Kp, xq + r * Kp, xd + r * ns, xs + r * ns, paired);
+            quantize_act(row, K, Kp, xq + r * Kp, xd + r * ns, xs + r * ns, paired, hi ? xq2 + r * Kp : NULL);
         }
         for (int64_t l = 0; l < L; l++) {
             const int8_t *wq = qs + l * N * row_bytes;
@@ -348,7 +400,7 @@ static int linear_run(const packed_t *w, int64_t M, const float *x, float *y, in
                         int64_t row = l * M + i;
                         float out[MAXR];
                         DOT(fmt, nb, row_bytes, wq + n * row_bytes, ld + n * ns, lm ? lm + n * ns : NULL, R,
-                            xq + row * Kp, xd + row * ns, xs + row * ns, out);
+                            xq + row * Kp, hi ? xq2 + row * Kp : NULL, xd + row * ns, xs + row * ns, out);
                         if (acc)
                             for (int r = 0; r < R; r++) y[row * N + n + r] += out[r];
                         else
@@ -693,6 +745,19 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 
 static PyObject *py_kernel(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(KERNEL); }
 
+/* activation_bits(bits): 8 or 16 (see quantize_act); returns the previous setting. 0 only reads it. */
+static PyObject *py_activation_bits(PyObject *self, PyObject *arg) {
+    long bits = PyLong_AsLong(arg);
+    if (bits == -1 && PyErr_Occurred()) return NULL;
+    if (bits != 0 && bits != 8 && bits != 16) {
+        PyErr_SetString(PyExc_ValueError, "activation bits must be 8 or 16");
+        return NULL;
+    }
+    int before = ACT_BITS;
+    if (bits) ACT_BITS = (int)bits;
+    return PyLong_FromLong(before);
+}
+
 /* use(name): pick the dot kernel ("avx2" or "generic"; the tests compare them) */
 static PyObject *py_use(PyObject *self, PyObject *arg) {
     const char *name = PyUnicode_AsUTF8(arg);
@@ -721,6 +786,7 @@ static PyMethodDef METHODS[] = {
     {"step", (PyCFunction)(void (*)(void))py_step, METH_FASTCALL,
      "step(plan, layers, cache, B, hq, hkv, hd, h, cos, sin, pos, head, norm, logits, eps)"},
     {"kernel", py_kernel, METH_NOARGS, "the dot-product kernel in use"},
+    {"activation_bits", py_activation_bits, METH_O, "activation_bits(8 | 16 | 0) -> the previous setting"},
     {"use", py_use, METH_O, "use('avx2' | 'generic')"},
     {NULL, NULL, 0, NULL},
 };

@@ -4,8 +4,9 @@
 kept in blocks of 32 along K: int8 codes with one fp16 scale per block (`int8`, 1.06 bytes per
 weight), or 4-bit codes with an fp16 scale and minimum per block (`int4`, 0.56 bytes per weight; the
 layout of GGUF's Q4_1, as int8 is Q8_0's). The products run in the `_lowbit` C extension (built by
-the normal install): activations are quantized to int8 blocks per call and each block's integer dot
-product is scaled once, so a decode step streams the packed bytes and nothing else.
+the normal install): activations are quantized per call to int8 blocks of 32, with a second int8 code
+for each value's rounding rest (16-bit activations, see `activation_bits`), each block's integer dot
+products are scaled once, so a decode step streams the packed bytes and nothing else.
 
 `PackedWeight.dequantize()` is the reference: the same packed codes unpacked in plain torch.
 """
@@ -18,6 +19,7 @@ from torch import Tensor
 
 FORMATS = {"int8": 0, "int4": 1}  # weight-only formats, named by their code width
 BLOCK = 32
+ACT16_MAX_ROWS = 16  # as in lowbit.c
 
 try:  # torch first: the extension uses the OpenMP runtime torch has already loaded
     from laneplay.kernels import _lowbit
@@ -46,6 +48,16 @@ def kernel_name() -> str:
 def use_kernel(name: str) -> None:
     require()
     _lowbit.use(name)
+
+
+def activation_bits(bits: int | None = None) -> int:
+    """How the products quantize their inputs: 16 (the default: int8 blocks of 32 plus their rounding
+    rest, error <= max|x| / 64516 per block) or 8 (int8 blocks alone, error <= max|x| / 254, less
+    integer work). 16 applies to products of up to ACT16_MAX_ROWS rows per lane (decode steps and
+    sampled batches, which wait on memory, so the rest costs little); longer ones (prompt chunks,
+    which are arithmetic-bound) take 8. Sets it when given; returns the setting before."""
+    require()
+    return _lowbit.activation_bits(0 if bits is None else int(bits))
 
 
 class PackedWeight:

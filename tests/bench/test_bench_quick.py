@@ -85,3 +85,11 @@ def test_the_readme_tables_are_generated_from_the_json(tmp_path):
     text = report(tmp_path)
     assert "| llama.cpp (Q4_1) | 42 | 182 | 91.3 | 11.0 | 34% | 6.71 | 1.00 |" in text
     assert "| n=4 | 7.5 | 30.1 | 2.55 |" in text and "flagged noisy" in text and "26.7 GB/s" in text
+    (tmp_path / "lowbit-quality.json").write_text(json.dumps({
+        "when": "2026-12-05", "corpus": "HumanEval", "problems": "humaneval",
+        "agreement": [{"dtype": "int4", "positions": 100, "top1_agreement": 0.97, "max_abs_dlogit": 1.5,
+                       "mean_abs_dlogit": 0.12}],
+        "humaneval": [{"dtype": "float32", "problems": 164, "greedy_pass1": 0.061},
+                      {"dtype": "int4", "problems": 164, "greedy_pass1": 0.067}]}))
+    text = report(tmp_path)
+    assert "| int4 | 100 | 97.00% | 1.500 | 0.1200 |" in text and "| int4 | 164 | 0.067 |" in text

@@ -25,6 +25,14 @@ def kernel(request):
     lowbit.use_kernel(before)
 
 
+@pytest.fixture(params=[16, 8], ids=["act16", "act8"])
+def bits(request):
+    """The products' activation width; the bounds below follow it."""
+    before = lowbit.activation_bits(request.param)
+    yield request.param
+    lowbit.activation_bits(before)
+
+
 def _blocks(t: torch.Tensor) -> torch.Tensor:
     """[..., K] -> [..., nb, 32], zero-padded."""
     k = t.shape[-1]
@@ -32,17 +40,19 @@ def _blocks(t: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, kp - k)).unflatten(-1, (-1, 32))
 
 
-def _act_error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The largest |y - x @ w.T| that int8 activation blocks (scale max/127, round to nearest) allow."""
-    err = (_blocks(x).abs().amax(-1, keepdim=True) / 254).expand(*x.shape[:-1], -1, 32).flatten(-2)
+def _act_error_bound(x: torch.Tensor, w: torch.Tensor, bits: int = 8) -> torch.Tensor:
+    """The largest |y - x @ w.T| that the activation blocks allow: int8 codes (scale max/127, round to
+    nearest) are off by max/254 at most; with their rounding rest coded too (16), by max/64516."""
+    step = 254 if bits == 8 else 254 * 254
+    err = (_blocks(x).abs().amax(-1, keepdim=True) / step).expand(*x.shape[:-1], -1, 32).flatten(-2)
     err = err[..., :x.shape[-1]]
     return err @ w.abs().transpose(-1, -2) * 1.001 + 1e-5 * (1 + (x.abs() @ w.abs().transpose(-1, -2)))
 
 
-def _assert_lanes_match(y, a, w, slack=0.0):
+def _assert_lanes_match(y, a, w, bits, slack=0.0):
     """y [L, ..., N] from a lane weight w [L, N, K] is a @ w[l].T per lane, within the activation bound."""
     ref = torch.einsum("lbsk,lnk->lbsn", a, w)
-    bound = torch.stack([_act_error_bound(a[i], w[i]) for i in range(w.shape[0])])
+    bound = torch.stack([_act_error_bound(a[i], w[i], bits) for i in range(w.shape[0])])
     assert y.shape == ref.shape and ((y - ref).abs() <= bound * (1 + slack) + slack / 100).all()
 
 
@@ -80,7 +90,7 @@ def test_pack_keeps_zero_and_constant_blocks():
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("m,n,k", [(1, 96, 64), (1, 10, 70), (5, 33, 100), (3, 7, 256), (70, 18, 96), (2, 1, 32)])
-def test_linear_matches_the_unpacked_weight(kernel, fmt, m, n, k):
+def test_linear_matches_the_unpacked_weight(kernel, bits, fmt, m, n, k):
     torch.manual_seed(1)
     p = lowbit.pack(torch.randn(n, k), fmt)
     w = p.dequantize()
@@ -88,21 +98,22 @@ def test_linear_matches_the_unpacked_weight(kernel, fmt, m, n, k):
     y = p.linear(x)
     ref = x @ w.T
     assert y.shape == (m, n)
-    assert ((y - ref).abs() <= _act_error_bound(x, w)).all(), float((y - ref).abs().max())
+    used = bits if m <= lowbit.ACT16_MAX_ROWS else 8  # longer products (prompt chunks) take int8 alone
+    assert ((y - ref).abs() <= _act_error_bound(x, w, used)).all(), float((y - ref).abs().max())
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_lane_weights_multiply_each_lane_by_its_own_slice(kernel, fmt):
+def test_lane_weights_multiply_each_lane_by_its_own_slice(kernel, bits, fmt):
     torch.manual_seed(2)
     L, n, k = 3, 20, 96
     p = lowbit.pack(torch.randn(L, n, k), fmt)
     w = p.dequantize()
     x = torch.randn(L, 2, 1, k)
-    _assert_lanes_match(p.linear(x), x, w)
+    _assert_lanes_match(p.linear(x), x, w, bits)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_avx2_and_generic_kernels_agree(fmt):
+def test_avx2_and_generic_kernels_agree(bits, fmt):
     if "avx2" not in KERNELS:
         pytest.skip("this CPU has no AVX2: only the portable kernel runs")
     torch.manual_seed(3)
@@ -126,7 +137,7 @@ def _rms(x, g, eps):
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("per_lane", [False, True])
-def test_fused_rmsnorm_input(kernel, fmt, per_lane):
+def test_fused_rmsnorm_input(kernel, bits, fmt, per_lane):
     torch.manual_seed(4)
     L, n, k, eps = 2, 24, 96, 1e-5
     p = lowbit.pack(torch.randn(L, n, k), fmt)
@@ -134,13 +145,13 @@ def test_fused_rmsnorm_input(kernel, fmt, per_lane):
     x = torch.randn(L, 1, 1, k) * 5
     g = torch.rand(L, 1, 1, k) + 0.5 if per_lane else torch.rand(k) + 0.5
     y = p.linear(x, norm=g, eps=eps)
-    _assert_lanes_match(y, _rms(x, g, eps), w, slack=0.01)  # the norm itself is computed in float32 too
+    _assert_lanes_match(y, _rms(x, g, eps), w, bits, slack=0.01)  # the norm itself is computed in float32 too
     with pytest.raises(ValueError, match="norm weight"):
         p.linear(x, norm=torch.ones(k + 1), eps=eps)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_fused_swiglu_input(kernel, fmt):
+def test_fused_swiglu_input(kernel, bits, fmt):
     torch.manual_seed(5)
     L, n, k = 2, 16, 64
     p = lowbit.pack(torch.randn(L, n, k), fmt)
@@ -148,7 +159,32 @@ def test_fused_swiglu_input(kernel, fmt):
     x = torch.randn(L, 3, 1, 2 * k) * 2
     y = p.linear(x, swiglu=True)
     gate, up = x.split(k, dim=-1)
-    _assert_lanes_match(y, torch.nn.functional.silu(gate) * up, w, slack=0.01)
+    _assert_lanes_match(y, torch.nn.functional.silu(gate) * up, w, bits, slack=0.01)
+
+
+def test_16_bit_activations_are_closer_than_8_bit():
+    """The rest codes matter: on the same product the 16-bit error is a small fraction of the 8-bit one."""
+    torch.manual_seed(8)
+    p = lowbit.pack(torch.randn(64, 256), "int4")
+    x = torch.randn(4, 256)
+    ref = x @ p.dequantize().T
+    before = lowbit.activation_bits(8)
+    try:
+        e8 = float((p.linear(x) - ref).abs().max())
+        lowbit.activation_bits(16)
+        e16 = float((p.linear(x) - ref).abs().max())
+    finally:
+        lowbit.activation_bits(before)
+    assert e16 < e8 / 20, (e16, e8)
+    lowbit.activation_bits(16)
+    try:  # a prompt-sized product takes int8 alone either way
+        long_x = torch.randn(lowbit.ACT16_MAX_ROWS + 1, 256)
+        e_long = float((p.linear(long_x) - long_x @ p.dequantize().T).abs().max())
+    finally:
+        lowbit.activation_bits(before)
+    assert e_long > 20 * e16
+    with pytest.raises(ValueError, match="8 or 16"):
+        lowbit.activation_bits(4)
 
 
 def test_bad_inputs_are_refused():
