@@ -185,7 +185,9 @@ def test_share_fork_and_revoke(server, owner, new_context):
     assert len(history_rows(page)) == len(owner_rows)  # ...and not in the owner's
 
     page.locator('#history [role=row][aria-rowindex="2"] [role=gridcell]').first.click()
-    time.sleep(1.0)
+    # The selection has landed once the row's live links are listed (the link dropdown is set with them):
+    # on a busy machine that can take longer than any fixed pause.
+    page.wait_for_selector("#history-links li")
     page.click("#revoke")
     page.wait_for_function("() => document.querySelector('#history-notice').innerText.includes('Revoked')")
     screenshot(page, "history")
@@ -223,7 +225,10 @@ def test_ten_browsers_generating_at_once_all_complete(server, new_context):
     pages = []
     for _ in range(10):
         _, _, p = open_playground(new_context, server)
-        set_field(p, "max-tokens", "4")
+        # Long enough that the engine (one request at a time) is still busy while the later clicks land,
+        # however fast it decodes: a long instruction, so the answer does not end early.
+        p.locator("#instruction textarea").fill(LONG)
+        set_field(p, "max-tokens", "64")
         pages.append(p)
     for p in pages:
         wait_state(p, ["idle"], timeout=60)
