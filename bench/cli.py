@@ -18,7 +18,7 @@ QUICK = {"decode": ["--rounds", "1", "--new-tokens", "16", "--ours", "eager", "-
                     "--samples", "2,4",
                     "--prompts", "short,512", "--bandwidth-gib", "0.25"],
          "dtp": ["--rounds", "1", "--tokens", "8", "--width", "128"],
-         "prefill": ["--rounds", "1", "--lengths", "512"]}
+         "prefill": ["--rounds", "1", "--lengths", "512", "--dtypes", "int4"]}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

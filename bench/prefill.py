@@ -1,11 +1,12 @@
 """Long prompts: time to first token and prompt tokens/s at 512, 2k and 8k tokens, ours vs transformers.
 
-    python -m laneplay.bench.prefill [--lengths 512,2048,8190] [--rounds 2] [--no-hf]
+    python -m laneplay.bench.prefill [--lengths 512,2048,8190] [--rounds 2] [--dtypes float32,int4] [--no-hf]
 
-Same weights (the embedded default model, float32) and identical prompt ids for both engines; each
-run produces exactly one token, so TTFT is the prefill. Ours prefills in chunks (`--chunk`, the
+Same weights (the embedded default model; ours in float32 and on the CPU's default int4 path, whose
+long prompt chunks run as float GEMMs on the unpacked weights) and identical prompt ids for every
+engine; each run produces exactly one token, so TTFT is the prefill. Ours prefills in chunks (`--chunk`, the
 engine's default 512) and never holds more than chunk x length attention scores; transformers runs
-its SDPA attention over the whole prompt at once. Runs alternate ours / theirs so drift hits both;
+its SDPA attention over the whole prompt at once. Runs alternate between the engines so drift hits all;
 the ratio is the result. Peak RSS growth during each run is reported as well.
 Writes bench/results/prefill-cpu.json.
 """
@@ -84,6 +85,7 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", default="512,2048,8190", help="prompt lengths in tokens")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--chunk", type=int, default=512, help="our prefill chunk (tokens)")
+    p.add_argument("--dtypes", default="float32,int4", help="our engine's weight paths to time")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--allow-noisy", action="store_true", help="report on a busy machine (numbers flagged noisy)")
     p.add_argument("--out", default=None, help="folder for the JSON (default: bench/results)")
@@ -91,7 +93,11 @@ def main(argv=None) -> int:
     from laneplay.engine import load_engine
 
     quiet = [check_quiet(args.allow_noisy, "before")]
-    eng = load_engine("smollm2-135m-instruct", prefill_chunk=args.chunk)
+    engines = {f"ours ({d})": load_engine("smollm2-135m-instruct", dtype=d, prefill_chunk=args.chunk)
+               for d in args.dtypes.split(",") if d}
+    if not engines:
+        p.error("--dtypes names no weight path")
+    eng = next(iter(engines.values()))
     lengths = [int(x) for x in args.lengths.split(",")]
     context = eng.cfg.max_position_embeddings
     lengths = [min(n, context - 1) for n in lengths]
@@ -105,15 +111,17 @@ def main(argv=None) -> int:
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                                dtype=torch.float32, attn_implementation="sdpa").eval()
     warm = prompt_ids(eng.tokenizer, 64)
-    ours(eng, warm)
+    for e in engines.values():
+        ours(e, warm)
     if hf is not None:
         theirs(hf, warm)
     rows, raw = [], {}
     for n in lengths:
         ids = prompt_ids(eng.tokenizer, n)
-        runs = {"ours": [], "transformers": []}
+        runs = {**{name: [] for name in engines}, "transformers": []}
         for _ in range(args.rounds):
-            runs["ours"].append(ours(eng, ids))
+            for name, e in engines.items():
+                runs[name].append(ours(e, ids))
             if hf is not None:
                 runs["transformers"].append(theirs(hf, ids))
         raw[n] = runs
@@ -122,13 +130,14 @@ def main(argv=None) -> int:
                 rows.append({"engine": name, "prompt": n, "ttft_ms": median([r["ttft_ms"] for r in rs]),
                              "prompt_tps": median([r["prompt_tps"] for r in rs]),
                              "peak_mb": max(r["peak_mb"] for r in rs)})
+        here = [r for r in rows if r["prompt"] == n]
         if runs["transformers"]:
-            same = runs["ours"][0]["token"] == runs["transformers"][0]["token"]
-            ratio = rows[-1]["ttft_ms"] / rows[-2]["ttft_ms"]
-            rows[-2]["vs_transformers"] = ratio
-            rows[-2]["same_token"] = "yes" if same else "no"
-        print(f"{n} tokens: " + ", ".join(f"{r['engine']} {r['ttft_ms']:.0f} ms" for r in rows[-len(runs):] if r["prompt"] == n))
-    print(f"\nSmolLM2-135M-Instruct, float32, {torch.get_num_threads()} threads, our chunk {args.chunk} tokens; "
+            theirs_row = here[-1]
+            for r in here[:-1]:
+                r["vs_transformers"] = theirs_row["ttft_ms"] / r["ttft_ms"]
+                r["same_token"] = "yes" if runs[r["engine"]][0]["token"] == runs["transformers"][0]["token"] else "no"
+        print(f"{n} tokens: " + ", ".join(f"{r['engine']} {r['ttft_ms']:.0f} ms" for r in here))
+    print(f"\nSmolLM2-135M-Instruct, {torch.get_num_threads()} threads, our chunk {args.chunk} tokens; "
           f"TTFT = prefill + one token\n")
     print_table(rows, [("engine", "engine", "s"), ("prompt", "prompt tokens", "d"), ("ttft_ms", "TTFT ms", ".0f"),
                        ("prompt_tps", "prompt tok/s", ".0f"), ("peak_mb", "peak RSS growth MB", ".0f"),

@@ -292,8 +292,9 @@ static dot_fn DOT = dot_generic;
 static const char *KERNEL = "generic";
 static int ACT_BITS = 16;  /* activations: 8 (int8 blocks) or 16 (int8 blocks plus their rounding rest) */
 /* 16-bit activations where a product waits on memory (up to this many rows per lane: decode steps and
- * sampled batches), int8 alone where it is arithmetic-bound (prompt chunks), where the rest's second
- * integer sum would cost as much again. */
+ * sampled batches), int8 alone where it is arithmetic-bound (short prompt chunks), where the rest's
+ * second integer sum would cost as much again. Long prompt chunks do not come here: Python runs them as
+ * float GEMMs on unpack()ed weights. */
 #define ACT16_MAX_ROWS 16
 
 /* ---- Python entry points (pointers and sizes as ints; the torch side owns every buffer) ----- */
@@ -324,6 +325,45 @@ static PyObject *py_pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < rows; n++)
         pack_row(fmt, src + n * K, K, Kp, qs + n * row_bytes, d + n * SPAD(nb), fmt == FMT_Q4 ? m + n * SPAD(nb) : NULL);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* unpack(fmt, rows, K, Kp, qs, d, m, dst): packed rows -> float32 [rows, K], the codes times their
+ * scales (plus the minimum for q4), exactly as PackedWeight.dequantize() computes them. Long products
+ * (prompt chunks) run as a float GEMM on the unpacked weight: there the arithmetic, not the bytes,
+ * sets the time, and the float GEMM does it faster than integer dot products, with no activation
+ * quantization at all. */
+static PyObject *py_unpack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t a[8];
+    if (args_i64(args, nargs, 8, a) < 0) return NULL;
+    int fmt = (int)a[0];
+    int64_t rows = a[1], K = a[2], Kp = a[3], nb = Kp / QK;
+    const int8_t *qs = (const int8_t *)(intptr_t)a[4];
+    const uint16_t *d = (const uint16_t *)(intptr_t)a[5], *m = (const uint16_t *)(intptr_t)a[6];
+    float *dst = (float *)(intptr_t)a[7];
+    int64_t row_bytes = fmt == FMT_Q8 ? Kp : Kp / 2;
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < rows; n++) {
+        const int8_t *q = qs + n * row_bytes;
+        const uint16_t *rd = d + n * SPAD(nb), *rm = fmt == FMT_Q4 ? m + n * SPAD(nb) : NULL;
+        float *out = dst + n * K;
+        for (int64_t b = 0; b < nb; b++) {
+            float df = h2f(rd[b]), mf = rm ? h2f(rm[b]) : 0.0f, v[QK];
+            if (fmt == FMT_Q8) {
+                for (int j = 0; j < QK; j++) v[j] = df * (float)q[b * QK + j];
+            } else {
+                const uint8_t *p = (const uint8_t *)q + b * (QK / 2);
+                for (int j = 0; j < QK / 2; j++) {
+                    v[j] = df * (float)(p[j] & 15) + mf;
+                    v[j + QK / 2] = df * (float)(p[j] >> 4) + mf;
+                }
+            }
+            int64_t take = K - b * QK < QK ? K - b * QK : QK;
+            memcpy(out + b * QK, v, sizeof(float) * (size_t)take);
+        }
+    }
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -779,6 +819,7 @@ static PyObject *py_use(PyObject *self, PyObject *arg) {
 
 static PyMethodDef METHODS[] = {
     {"pack", (PyCFunction)(void (*)(void))py_pack, METH_FASTCALL, "pack(fmt, rows, K, Kp, src, qs, d, m)"},
+    {"unpack", (PyCFunction)(void (*)(void))py_unpack, METH_FASTCALL, "unpack(fmt, rows, K, Kp, qs, d, m, dst)"},
     {"linear", (PyCFunction)(void (*)(void))py_linear, METH_FASTCALL,
      "linear(fmt, L, N, K, Kp, M, qs, d, m, x, y, pre, g, g_per_lane, eps)"},
     {"attend", (PyCFunction)(void (*)(void))py_attend, METH_FASTCALL,

@@ -50,6 +50,7 @@ def test_quick_bench_writes_every_table_as_json(tmp_path):
     assert [r["world"] for r in dtp["rows"]] == [1, 2, 2, 2] and all(_positive(r["ms_per_token"]) for r in dtp["rows"])
     pre = json.loads((tmp_path / "prefill-cpu.json").read_text())
     assert {r["prompt"] for r in pre["rows"]} == {512}
+    assert "ours (int4)" in {r["engine"] for r in pre["rows"]}  # the CPU's default path
     assert all(_positive(r["ttft_ms"]) and _positive(r["prompt_tps"]) for r in pre["rows"])
 
 

@@ -190,3 +190,26 @@ def test_runtime_resolves_the_low_bit_dtypes():
         make_runtime("cpu", "int8", graphs=True)
     with pytest.raises(ValueError, match="not supported"):
         make_runtime("cpu", "int3")
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("name", ["d2-early", "lane-head-lane-norms"])
+@torch.inference_mode()
+def test_long_prompt_chunks_run_as_float_gemms_on_the_unpacked_weights(tmp_path, name, fmt):
+    """From gemm_min_rows rows on, a product is one float GEMM on the unpacked weight: a prompt then
+    prefills like the unpacked reference up to float rounding (no activation quantization at all),
+    and the decode after it still runs the integer kernels within their bound."""
+    _, low, ref = models(tmp_path, name, fmt)
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(3))
+    before = lowbit.gemm_min_rows(12)
+    try:
+        lr, cr = ref.prefill(ids, 1, 40)
+        ll, cl = low.prefill(ids, 1, 40)
+        assert torch.allclose(ll, lr, rtol=1e-4, atol=1e-4 * float(lr.abs().max()))
+        a, b = ref.decode(ids[:, -1:], 24, cr), low.decode(ids[:, -1:], 24, cl)
+        assert close(b, a, a.abs().max())
+        lowbit.gemm_min_rows(10 ** 9)  # the same prompt on the integer kernels: off by their bound, not less
+        li, _ = low.prefill(ids, 1, 40)
+        assert close(li, lr, lr.abs().max()) and not torch.allclose(li, lr, rtol=1e-4, atol=1e-4 * float(lr.abs().max()))
+    finally:
+        lowbit.gemm_min_rows(before)

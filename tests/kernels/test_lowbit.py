@@ -162,6 +162,52 @@ def test_fused_swiglu_input(kernel, bits, fmt):
     _assert_lanes_match(y, torch.nn.functional.silu(gate) * up, w, bits, slack=0.01)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("shape", [(64, 96), (7, 70), (3, 5, 100), (2, 9, 33)])
+def test_unpacked_is_the_dequantized_reference_exactly(fmt, shape):
+    torch.manual_seed(9)
+    p = lowbit.pack(torch.randn(shape) * 3, fmt)
+    u = p.unpacked()
+    assert u.shape == (p.lanes, p.rows, p.cols) and torch.equal(u.view(shape), p.dequantize())
+
+
+@pytest.fixture
+def gemm_from_rows():
+    """Moves the float-GEMM threshold for one test and puts it back."""
+    before = lowbit.gemm_min_rows()
+    yield lowbit.gemm_min_rows
+    lowbit.gemm_min_rows(before)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("pre", ["none", "norm", "norm-per-lane", "swiglu"])
+def test_long_products_are_float_gemms_on_the_unpacked_weight(gemm_from_rows, fmt, pre):
+    """From gemm_min_rows rows per lane on, linear() is x @ unpacked.T in float (no activation
+    quantization): equal to the reference up to float rounding; one row fewer takes the integer kernels."""
+    torch.manual_seed(10)
+    L, n, k, eps = 2, 40, 96, 1e-5
+    p = lowbit.pack(torch.randn(L, n, k), fmt)
+    w = p.dequantize()
+    gemm_from_rows(8)
+    for m, gemm in ((8, True), (7, False)):
+        x = torch.randn(L, 1, m, 2 * k if pre == "swiglu" else k) * 3
+        kw, a = {}, x
+        if pre.startswith("norm"):
+            g = torch.rand(L, 1, 1, k) + 0.5 if pre == "norm-per-lane" else torch.rand(k) + 0.5
+            kw, a = dict(norm=g, eps=eps), _rms(x, g, eps)
+        elif pre == "swiglu":
+            gate, up = x.split(k, dim=-1)
+            kw, a = dict(swiglu=True), torch.nn.functional.silu(gate) * up
+        y = p.linear(x, **kw)
+        ref = torch.einsum("lbsk,lnk->lbsn", a, w)
+        exact = torch.allclose(y, ref, rtol=1e-5, atol=1e-4)
+        assert exact == gemm, (m, float((y - ref).abs().max()))
+        if not gemm:
+            _assert_lanes_match(y, a, w, 16, slack=0.01)
+    with pytest.raises(ValueError, match="at least 1"):
+        gemm_from_rows(0)
+
+
 def test_16_bit_activations_are_closer_than_8_bit():
     """The rest codes matter: on the same product the 16-bit error is a small fraction of the 8-bit one."""
     torch.manual_seed(8)
