@@ -141,11 +141,12 @@ class PackedWeight:
 
     def _gemm(self, x: Tensor, m: int, norm: Tensor | None, eps: float, swiglu: bool) -> Tensor:
         """linear() as one float GEMM per lane on the unpacked weight (long products)."""
+        from laneplay.engine.model import rms_norm
+
         L, K = self.lanes, self.cols
         x3 = x.view(L, m, -1)
         if norm is not None:
-            g = norm.reshape(L if norm.numel() != K else 1, 1, K)
-            x3 = x3 * torch.rsqrt(x3.pow(2).mean(-1, keepdim=True) + eps) * g
+            x3 = rms_norm(x3, norm.reshape(L if norm.numel() != K else 1, 1, K), eps)
         elif swiglu:
             gate, up = x3.split(K, dim=-1)
             x3 = torch.nn.functional.silu(gate) * up
