@@ -1,7 +1,7 @@
 """Batch-1 decode speed of the embedded default model: ours vs Hugging Face transformers, same weights.
 
     python -m laneplay.bench.decode [--rounds 5] [--new-tokens 128] [--prompts short,512]
-                                    [--peers transformers,llama.cpp] [--samples 2,4,8,16]
+                                    [--peers transformers,llama.cpp] [--served int4] [--samples 2,4,8,16]
 
 Every engine gets identical prompt ids (the chat template applied to one question, bare or after
 reference code to make it 512 tokens), decodes greedily to exactly `--new-tokens` tokens, and is timed
@@ -9,7 +9,8 @@ where tokens are produced: TTFT, and decode tokens/s = (tokens - 1) / (t_last - 
 Face transformers on the same weights dequantized to float32, and llama.cpp (llama-cpp-python) on the
 same GGUF file, Q4_1 as shipped (skipped with a message when not installed). Ours: float32 (compiled,
 eager), bfloat16/float16, and the low-bit paths int4 (the CPU default: the GGUF's own Q4_1 blocks with a
-Q8_0 head) and int8; each one's split of a step (weight products / attention / other) is printed too. Runs alternate engines so
+Q8_0 head) and int8, and int4 once more through `laneplay engine` over HTTP (`--served`: the server
+decodes on its scheduler thread, as the playground gets it); each in-process engine's split of a step (weight products / attention / other) is printed too. Runs alternate engines so
 drift hits all alike; ratios are the result. Bandwidth is measured in the same run; achieved GB/s =
 bytes read per token (each engine's own: float32, half or the GGUF's) x tokens/s, and the share of the
 read roofline. Also batch 1 vs n samples in one batch (the cost of pass@N per sample). Refuses to
@@ -37,6 +38,45 @@ def our_run(eng, ids, new_tokens, n=1, temperature=0.0):
             finals[ev.sample_index] = ev.metrics
     m = finals[0]
     return {"ttft_ms": m.ttft_ms, "decode_tps": m.decode_tokens_per_second, "tokens": m.completion_tokens}
+
+
+def served_engine(dtype: str):
+    """`laneplay engine` in a subprocess: the model loaded on the server's main thread, requests decoded
+    on its scheduler thread, behind HTTP: the path the playground gets. Returns (process, base URL)."""
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "laneplay", "engine", "--port", str(port), "--dtype", dtype,
+                             "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"`laneplay engine --dtype {dtype}` did not come up")
+
+
+def served_run(url, ids, new_tokens):
+    """One request to a served engine; its own timing (the same metrics as our_run's)."""
+    import json
+    import urllib.request
+
+    body = json.dumps({"prompt": ids, "max_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        out = json.load(r)
+    t = out["laneplay"]
+    return {"ttft_ms": t["ttft_ms"], "decode_tps": t["decode_tokens_per_second"],
+            "tokens": out["usage"]["completion_tokens"]}
 
 
 def hf_run(model, ids, new_tokens):
@@ -162,6 +202,8 @@ def main(argv=None) -> int:
                    help="extra dtypes to run our compiled engine in ('' for none); the peers stay as they are")
     p.add_argument("--lowbit", default="int4,int8",
                    help="our low-bit CPU paths to run ('' for none): int4 (the CPU default), int8")
+    p.add_argument("--served", default="int4", help="low-bit dtypes also timed through `laneplay engine` over "
+                   "HTTP, the path the playground uses ('' for none)")
     p.add_argument("--samples", default="2,4,8,16", help="batched samples n to time against batch 1 ('' for none)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--bandwidth-gib", type=float, default=1.0, help="size of the bandwidth probe (DRAM: >= 0.25)")
@@ -172,7 +214,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     peers = [x for x in _csv(args.peers) if not (args.no_hf and x == "transformers")]
     unknown = (set(peers) - {"transformers", "llama.cpp"} | set(_csv(args.ours)) - {"compiled", "eager"}
-               | set(_csv(args.lowbit)) - {"int4", "int8"})
+               | (set(_csv(args.lowbit)) | set(_csv(args.served))) - {"int4", "int8"})
     if unknown or args.rounds < 1 or args.new_tokens < 2:
         p.error(f"unknown peer or engine {sorted(unknown)}" if unknown else "--rounds >= 1 and --new-tokens >= 2")
     from laneplay.engine import load_engine
@@ -200,6 +242,11 @@ def main(argv=None) -> int:
         prompts[name] = (first.tokenizer.encode_chat([{"role": "user", "content": QUESTION}]) if name == "short"
                          else long_prompt_ids(first.tokenizer, int(name)))
     contenders = {name: (lambda ids, k, e=e: our_run(e, ids, k)) for name, e in ours.items()}
+    servers = []
+    for dt in _csv(args.served) if lowbit.available() else []:
+        proc, url = served_engine(dt)
+        servers.append(proc)
+        contenders[f"ours ({dt}, served)"] = lambda ids, k, url=url: served_run(url, ids, k)
     if "transformers" in peers:
         import transformers
 
@@ -227,6 +274,9 @@ def main(argv=None) -> int:
                 runs[(name, pname)].append(fn(ids, args.new_tokens))
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k[0]} @{k[1]} {v[-1]['decode_tps']:.1f}"
                                                            for k, v in runs.items() if v))
+    for proc in servers:
+        proc.terminate()
+        proc.wait(30)
     bw_after = measure_bandwidth(args.bandwidth_gib)
     quiet.append(check_quiet(True, "after"))
     from laneplay.engine.runtime import CPU_DEFAULT
@@ -241,7 +291,7 @@ def main(argv=None) -> int:
         gguf_bytes = resolve_checkpoint("smollm2-135m-instruct").stat().st_size
     rows = []
     for (name, pname), rs in runs.items():
-        own = ours.get(name)
+        own = ours.get(name.replace(", served", ""))
         b = bytes_per_token(own or first, len(prompts[pname]), args.new_tokens)
         # peers: llama.cpp reads the GGUF as shipped, transformers the weights dequantized to float32
         weights = b["weights"] if own is not None else gguf_bytes if name.startswith("llama.cpp") else b["float32_weights"]

@@ -18,7 +18,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <omp.h>
+#include <sched.h>
+#include <stdatomic.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #define LP_X86 1
@@ -389,6 +392,50 @@ static const float *pre_row(int pre, const float *x, int64_t K, const float *g, 
     return tmp;
 }
 
+/* ---- the team: one OpenMP region per call, with our own barrier inside it -------------------------
+ * A decode step is ~100 short phases (a product, the attention, ...), each ending where every thread
+ * must have finished. As separate OpenMP regions they cost a wake-up each, and libgomp's policy for
+ * waking is fragile: as soon as a second thread has its own pool (a server that loads the model on
+ * one thread and decodes on another), libgomp stops spinning and puts idle threads to sleep within
+ * microseconds, so every phase pays a futex sleep and wake-up (tens of microseconds, far more on a
+ * VM whose idle CPU has halted). So a call opens one region and its phases meet at team_sync(): a
+ * short spin, then sched_yield() while a thread still has to wait, so a thread that waits never
+ * sleeps while it is alone on its core, and gives the core away when something else wants it. */
+typedef struct {
+    _Atomic int arrived, phase;
+} team_t;
+
+#define TEAM_SPINS 2000 /* pauses before a waiting thread starts yielding */
+
+static inline void cpu_relax(void) {
+#ifdef LP_X86
+    _mm_pause();
+#endif
+}
+
+/* Every one of the nth threads calls it; none returns before all have arrived. */
+static void team_sync(team_t *t, int nth) {
+    if (nth == 1) return;
+    int phase = atomic_load_explicit(&t->phase, memory_order_relaxed);
+    if (atomic_fetch_add_explicit(&t->arrived, 1, memory_order_acq_rel) == nth - 1) {
+        atomic_store_explicit(&t->arrived, 0, memory_order_relaxed);
+        atomic_store_explicit(&t->phase, phase + 1, memory_order_release);
+        return;
+    }
+    for (int spins = 0; atomic_load_explicit(&t->phase, memory_order_acquire) == phase; spins++) {
+        if (spins < TEAM_SPINS)
+            cpu_relax();
+        else
+            sched_yield();
+    }
+}
+
+/* [*lo, *hi): thread tid's share of n items among nth threads */
+static inline void share(int64_t n, int tid, int nth, int64_t *lo, int64_t *hi) {
+    *lo = n * tid / nth;
+    *hi = n * (tid + 1) / nth;
+}
+
 /* A packed weight as the C side sees it. */
 typedef struct {
     int fmt;
@@ -397,50 +444,86 @@ typedef struct {
     const uint16_t *d, *m;
 } packed_t;
 
+static packed_t packed_from(const int64_t *a) {  /* fmt, L, N, K, Kp, qs, d, m */
+    packed_t w = {(int)a[0], a[1], a[2], a[3], a[4], (const int8_t *)(intptr_t)a[5],
+                  (const uint16_t *)(intptr_t)a[6], (const uint16_t *)(intptr_t)a[7]};
+    return w;
+}
+
+/* A product's scratch: its M rows quantized (plus their rests with 16-bit activations), their block
+ * scales and sums, and one pre-processed row for each of `nthreads` threads. */
+typedef struct {
+    int8_t *xq, *xq2;
+    float *xd, *xs, *tmp;
+} act_t;
+
+static int act_hi(int64_t M) { return ACT_BITS == 16 && M <= ACT16_MAX_ROWS; }
+
+static size_t act_bytes(const packed_t *w, int64_t M, int pre, int nthreads, size_t *q_bytes) {
+    int64_t rows = w->L * M, ns = SPAD(w->Kp / QK);
+    size_t q = (size_t)(rows * w->Kp + 63) / 64 * 64, s = 2 * sizeof(float) * (size_t)(rows * ns);
+    size_t t = pre != PRE_NONE ? sizeof(float) * (size_t)(w->K * nthreads) : 0;
+    if (q_bytes) *q_bytes = q;
+    return ((1 + act_hi(M)) * q + s + t + 63) / 64 * 64;
+}
+
+static act_t act_at(int8_t *base, const packed_t *w, int64_t M, int pre, int nthreads) {
+    size_t q;
+    act_bytes(w, M, pre, nthreads, &q);
+    int hi = act_hi(M);
+    int64_t rows = w->L * M, ns = SPAD(w->Kp / QK);
+    act_t a = {base, hi ? base + q : NULL, (float *)(base + (1 + hi) * q), NULL, NULL};
+    a.xs = a.xd + rows * ns;
+    a.tmp = a.xs + rows * ns;
+    return a;
+}
+
+/* Products smaller than this (rows x outputs x inputs) run on one thread: waking others costs more. */
+static int linear_wide(const packed_t *w, int64_t M) { return w->L * M * w->N * w->Kp >= (1 << 16); }
+
 /* y[l, i, n] (+)= sum_k pre(x[l, i])[k] * w[l, n, k]
  * x: float32 [L, M, K] ([L, M, 2K] for SwiGLU), y: float32 [L, M, N], weights packed [L, N, ...];
  * g: the RMSNorm weight, [K] or [L, K] (g_lanes); acc: add into y instead of storing.
- * Runs without the GIL; returns -1 when out of memory. */
-static int linear_run(const packed_t *w, int64_t M, const float *x, float *y, int pre, const float *g, int g_lanes,
-                      float eps, int acc) {
+ * Called by each of the nth threads of a team (thread tid), with scratch from act_at(); returns when
+ * y is complete. */
+static void linear_team(const packed_t *w, int64_t M, const float *x, float *y, int pre, const float *g,
+                        int g_lanes, float eps, int acc, const act_t *a, int tid, int nth, team_t *team) {
     const int fmt = w->fmt;
     const int64_t L = w->L, N = w->N, K = w->K, Kp = w->Kp, nb = Kp / QK, ns = SPAD(nb);
     const int8_t *qs = w->qs;
     const uint16_t *wd = w->d, *wm = w->m;
     int64_t row_bytes = fmt == FMT_Q8 ? Kp : Kp / 2, rows = L * M, xstride = pre == PRE_SWIGLU ? 2 * K : K;
-    int nthreads = omp_get_max_threads();
-    int paired = fmt == FMT_Q4 && DOT != dot_generic;
-    int hi = ACT_BITS == 16 && M <= ACT16_MAX_ROWS;
-    size_t q_bytes = (size_t)(rows * Kp + 63) / 64 * 64, s_bytes = 2 * sizeof(float) * (size_t)(rows * ns);
-    size_t t_bytes = pre != PRE_NONE ? sizeof(float) * (size_t)(K * nthreads) : 0;
-    int8_t *xq = (int8_t *)aligned_alloc(64, ((1 + hi) * q_bytes + s_bytes + t_bytes + 63) / 64 * 64);
-    if (!xq) return -1;
-    int8_t *xq2 = hi ? xq + q_bytes : NULL;
-    float *xd = (float *)(xq + (1 + hi) * q_bytes), *xs = xd + rows * ns, *tmp = xs + rows * ns;
-    /* Tokens are taken in tiles so that a tile's quantized rows stay in cache while the packed
-     * weights stream past them once per tile. */
-    const int64_t tile = 64;
-#pragma omp parallel num_threads(rows * N * Kp >= (1 << 16) ? nthreads : 1)
-    {
-        float *mine = tmp + (pre != PRE_NONE ? K * omp_get_thread_num() : 0);
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
+    int paired = fmt == FMT_Q4 && DOT != dot_generic, hi = act_hi(M);
+    int nw = linear_wide(w, M) ? nth : 1;  /* the threads that work; the others only meet them */
+    int64_t lo, up;
+    if (tid < nw) {
+        float *mine = a->tmp + (pre != PRE_NONE ? K * tid : 0);
+        share(rows, tid, nw, &lo, &up);
+        for (int64_t r = lo; r < up; r++) {
             const float *row = pre_row(pre, x + r * xstride, K, g + (g_lanes ? (r / M) * K : 0), eps, mine);
-            quantize_act(row, K, Kp, xq + r * Kp, xd + r * ns, xs + r * ns, paired, hi ? xq2 + r * Kp : NULL);
+            quantize_act(row, K, Kp, a->xq + r * Kp, a->xd + r * ns, a->xs + r * ns, paired,
+                         hi ? a->xq2 + r * Kp : NULL);
         }
+    }
+    team_sync(team, nth);
+    if (tid < nw) {
+        /* Tokens are taken in tiles so that a tile's quantized rows stay in cache while the packed
+         * weights stream past them once per tile. */
+        const int64_t tile = 64;
+        share((N + MAXR - 1) / MAXR, tid, nw, &lo, &up);
         for (int64_t l = 0; l < L; l++) {
             const int8_t *wq = qs + l * N * row_bytes;
             const uint16_t *ld = wd + l * N * ns, *lm = fmt == FMT_Q4 ? wm + l * N * ns : NULL;
             for (int64_t t0 = 0; t0 < M; t0 += tile) {
                 int64_t t1 = t0 + tile < M ? t0 + tile : M;
-#pragma omp for schedule(static)
-                for (int64_t n = 0; n < N; n += MAXR) {
+                for (int64_t n = lo * MAXR; n < up * MAXR && n < N; n += MAXR) {
                     int R = (int)(N - n < MAXR ? N - n : MAXR);
                     for (int64_t i = t0; i < t1; i++) {
                         int64_t row = l * M + i;
                         float out[MAXR];
                         DOT(fmt, nb, row_bytes, wq + n * row_bytes, ld + n * ns, lm ? lm + n * ns : NULL, R,
-                            xq + row * Kp, hi ? xq2 + row * Kp : NULL, xd + row * ns, xs + row * ns, out);
+                            a->xq + row * Kp, hi ? a->xq2 + row * Kp : NULL, a->xd + row * ns, a->xs + row * ns,
+                            out);
                         if (acc)
                             for (int r = 0; r < R; r++) y[row * N + n + r] += out[r];
                         else
@@ -450,30 +533,30 @@ static int linear_run(const packed_t *w, int64_t M, const float *x, float *y, in
             }
         }
     }
-    free(xq);
-    return 0;
+    team_sync(team, nth);
 }
 
-static packed_t packed_from(const int64_t *a) {  /* fmt, L, N, K, Kp, qs, d, m */
-    packed_t w = {(int)a[0], a[1], a[2], a[3], a[4], (const int8_t *)(intptr_t)a[5],
-                  (const uint16_t *)(intptr_t)a[6], (const uint16_t *)(intptr_t)a[7]};
-    return w;
-}
-
-/* linear(fmt, L, N, K, Kp, M, qs, d, m, x, y, pre, g, g_per_lane, eps): linear_run() from Python */
+/* linear(fmt, L, N, K, Kp, M, qs, d, m, x, y, pre, g, g_per_lane, eps): one product from Python */
 static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     int64_t a[14];
     if (args_i64(args, nargs - 1, 14, a) < 0) return NULL;
     double eps = PyFloat_AsDouble(args[14]);
     if (eps == -1.0 && PyErr_Occurred()) return NULL;
-    int64_t w[8] = {a[0], a[1], a[2], a[3], a[4], a[6], a[7], a[8]};
-    packed_t pw = packed_from(w);
-    int rc;
+    int64_t wa[8] = {a[0], a[1], a[2], a[3], a[4], a[6], a[7], a[8]};
+    packed_t w = packed_from(wa);
+    int64_t M = a[5];
+    int pre = (int)a[11];
+    int nthreads = linear_wide(&w, M) ? omp_get_max_threads() : 1;
+    int8_t *buf = (int8_t *)aligned_alloc(64, act_bytes(&w, M, pre, nthreads, NULL));
+    if (!buf) return PyErr_NoMemory();
+    act_t act = act_at(buf, &w, M, pre, nthreads);
+    team_t team = {0, 0};
     Py_BEGIN_ALLOW_THREADS
-    rc = linear_run(&pw, a[5], (const float *)(intptr_t)a[9], (float *)(intptr_t)a[10], (int)a[11],
-                    (const float *)(intptr_t)a[12], (int)a[13], (float)eps, 0);
+#pragma omp parallel num_threads(nthreads)
+    linear_team(&w, M, (const float *)(intptr_t)a[9], (float *)(intptr_t)a[10], pre, (const float *)(intptr_t)a[12],
+                (int)a[13], (float)eps, 0, &act, omp_get_thread_num(), omp_get_num_threads(), &team);
     Py_END_ALLOW_THREADS
-    if (rc < 0) return PyErr_NoMemory();
+    free(buf);
     Py_RETURN_NONE;
 }
 
@@ -617,38 +700,61 @@ static void rope(float *v, const float *cos, const float *sin, int64_t hd) {  /*
  * order, and attention does not depend on the order). out: float32 [N, hq hd].
  * Work is split over (sequence, KV head, stretch of slots); the stretches are merged by their
  * log-sum-exp (flash-decoding), so one long sequence still uses every thread. */
-static int attend_run(int64_t N, int64_t hq, int64_t hkv, int64_t hd, float *qkv, const float *cos, const float *sin,
-                      float *kc, float *vc, int64_t slots, int64_t slot, int64_t nvis, float *out) {
-    int64_t rep = hq / hkv, width = (hq + 2 * hkv) * hd, units = N * hkv;
-    int nthreads = omp_get_max_threads();
-    int64_t parts = 1;  /* stretches per (sequence, KV head): enough work items for every thread */
-    while (units * parts < 2 * nthreads && nvis / (parts * 2) >= 64) parts *= 2;
-    int64_t span = (nvis + parts - 1) / parts;
-    /* per (unit, part, query head of the group): running max, sum, and the weighted values */
-    float *part = (float *)malloc(sizeof(float) * (size_t)(units * parts * rep * (hd + 2)));
-    float *scores = (float *)malloc(sizeof(float) * (size_t)(nthreads * span));
-    if (!part || !scores) { free(part); free(scores); return -1; }
+typedef struct {
+    int64_t N, hq, hkv, hd, slots, slot, nvis;
+    float *qkv, *kc, *vc, *out;
+    const float *cos, *sin;
+} attend_t;
+
+/* How an attention is cut for `nthreads` threads: `parts` stretches of `span` slots per (sequence,
+ * KV head), and the floats its scratch needs: per (unit, part, query head of the group) the running
+ * max, sum and weighted values, then one row of scores per thread. */
+typedef struct {
+    int64_t parts, span;
+    size_t floats;
+} attend_cut_t;
+
+static attend_cut_t attend_cut(const attend_t *at, int nthreads) {
+    int64_t units = at->N * at->hkv, rep = at->hq / at->hkv;
+    attend_cut_t c = {1, 0, 0};
+    while (units * c.parts < 2 * nthreads && at->nvis / (c.parts * 2) >= 64) c.parts *= 2;
+    c.span = (at->nvis + c.parts - 1) / c.parts;
+    c.floats = (size_t)(units * c.parts * rep * (at->hd + 2) + nthreads * c.span);
+    return c;
+}
+
+static int attend_wide(const attend_t *at) { return at->N * at->hkv * at->nvis * at->hd >= 8192; }
+
+/* Called by each of the nth threads of a team, with scratch of attend_cut(at, nthreads).floats for
+ * some nthreads >= nth; returns when `out` is complete. */
+static void attend_team(const attend_t *at, const attend_cut_t *c, float *scratch, int tid, int nth, team_t *team) {
+    const int64_t N = at->N, hq = at->hq, hkv = at->hkv, hd = at->hd, slots = at->slots, nvis = at->nvis;
+    const int64_t rep = hq / hkv, width = (hq + 2 * hkv) * hd, units = N * hkv, parts = c->parts, span = c->span;
+    float *qkv = at->qkv, *part = scratch, *sc = scratch + units * parts * rep * (hd + 2) + span * tid;
     float scale = 1.0f / sqrtf((float)hd);
     int fast = DOT != dot_generic && hd % 8 == 0;  /* the AVX2 loops (the kernel choice covers them too) */
-#pragma omp parallel num_threads(units * nvis * hd >= 8192 ? nthreads : 1)
-    {
-#pragma omp for schedule(static)
-        for (int64_t u = 0; u < N * (hq + hkv); u++) {  /* RoPE on every q and k head; K/V into the slot */
+    int nw = attend_wide(at) ? nth : 1;
+    int64_t lo, up;
+    if (tid < nw) {  /* RoPE on every q and k head; K/V into the slot */
+        share(N * (hq + hkv), tid, nw, &lo, &up);
+        for (int64_t u = lo; u < up; u++) {
             int64_t n = u / (hq + hkv), h = u % (hq + hkv);
             float *v = qkv + n * width + h * hd;
-            rope(v, cos, sin, hd);
+            rope(v, at->cos, at->sin, hd);
             if (h >= hq) {
-                int64_t kh = h - hq, at = ((n * hkv + kh) * slots + slot) * hd;
-                memcpy(kc + at, v, sizeof(float) * (size_t)hd);
-                memcpy(vc + at, qkv + n * width + (hq + hkv + kh) * hd, sizeof(float) * (size_t)hd);
+                int64_t kh = h - hq, to = ((n * hkv + kh) * slots + at->slot) * hd;
+                memcpy(at->kc + to, v, sizeof(float) * (size_t)hd);
+                memcpy(at->vc + to, qkv + n * width + (hq + hkv + kh) * hd, sizeof(float) * (size_t)hd);
             }
         }
-        float *sc = scores + span * omp_get_thread_num();
-#pragma omp for schedule(static)
-        for (int64_t w = 0; w < units * parts; w++) {
+    }
+    team_sync(team, nth);
+    if (tid < nw) {  /* each stretch: its max, its sum of exponentials, its weighted values */
+        share(units * parts, tid, nw, &lo, &up);
+        for (int64_t w = lo; w < up; w++) {
             int64_t unit = w / parts, p = w % parts, n = unit / hkv, kh = unit % hkv;
             int64_t t0 = p * span, t1 = t0 + span < nvis ? t0 + span : nvis;
-            const float *K = kc + (n * hkv + kh) * slots * hd, *V = vc + (n * hkv + kh) * slots * hd;
+            const float *K = at->kc + (n * hkv + kh) * slots * hd, *V = at->vc + (n * hkv + kh) * slots * hd;
             for (int64_t r = 0; r < rep; r++) {
                 const float *q = qkv + n * width + (kh * rep + r) * hd;
                 float *res = part + ((unit * parts + p) * rep + r) * (hd + 2);
@@ -669,15 +775,18 @@ static int attend_run(int64_t N, int64_t hq, int64_t hkv, int64_t hd, float *qkv
                 res[1] = sum;
             }
         }
-#pragma omp for schedule(static)
-        for (int64_t u = 0; u < units * rep; u++) {  /* merge the stretches of each query head */
+    }
+    team_sync(team, nth);
+    if (tid < nw) {  /* merge the stretches of each query head */
+        share(units * rep, tid, nw, &lo, &up);
+        for (int64_t u = lo; u < up; u++) {
             int64_t unit = u / rep, r = u % rep, n = unit / hkv, kh = unit % hkv;
             float mx = -INFINITY, sum = 0.0f;
             for (int64_t p = 0; p < parts; p++) {
                 const float *res = part + ((unit * parts + p) * rep + r) * (hd + 2);
                 if (res[1] > 0.0f && res[0] > mx) mx = res[0];
             }
-            float *o = out + n * hq * hd + (kh * rep + r) * hd;
+            float *o = at->out + n * hq * hd + (kh * rep + r) * hd;
             memset(o, 0, sizeof(float) * (size_t)hd);
             for (int64_t p = 0; p < parts; p++) {
                 const float *res = part + ((unit * parts + p) * rep + r) * (hd + 2);
@@ -689,9 +798,7 @@ static int attend_run(int64_t N, int64_t hq, int64_t hkv, int64_t hd, float *qkv
             for (int64_t j = 0; j < hd; j++) o[j] /= sum;
         }
     }
-    free(part);
-    free(scores);
-    return 0;
+    team_sync(team, nth);
 }
 
 static int attend_args_ok(int64_t hq, int64_t hkv, int64_t slots, int64_t slot, int64_t nvis) {
@@ -705,25 +812,84 @@ static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nar
         PyErr_SetString(PyExc_ValueError, "attend: bad slot, visible count or head counts");
         return NULL;
     }
-    int rc;
+    attend_t at = {a[0], a[1], a[2], a[3], a[9], a[10], a[11], (float *)(intptr_t)a[4], (float *)(intptr_t)a[7],
+                   (float *)(intptr_t)a[8], (float *)(intptr_t)a[12], (const float *)(intptr_t)a[5],
+                   (const float *)(intptr_t)a[6]};
+    int nthreads = omp_get_max_threads();  /* the cut does not depend on how many threads run it */
+    attend_cut_t cut = attend_cut(&at, nthreads);
+    float *scratch = (float *)malloc(sizeof(float) * cut.floats);
+    if (!scratch) return PyErr_NoMemory();
+    team_t team = {0, 0};
     Py_BEGIN_ALLOW_THREADS
-    rc = attend_run(a[0], a[1], a[2], a[3], (float *)(intptr_t)a[4], (const float *)(intptr_t)a[5],
-                    (const float *)(intptr_t)a[6], (float *)(intptr_t)a[7], (float *)(intptr_t)a[8], a[9], a[10],
-                    a[11], (float *)(intptr_t)a[12]);
+#pragma omp parallel num_threads(attend_wide(&at) ? nthreads : 1)
+    attend_team(&at, &cut, scratch, omp_get_thread_num(), omp_get_num_threads(), &team);
     Py_END_ALLOW_THREADS
-    if (rc < 0) return PyErr_NoMemory();
+    free(scratch);
     Py_RETURN_NONE;
 }
 
 /* ---- a whole decode step of a one-lane model ---------------------------------------------------
  * For a model whose residual stream needs no cross-lane sums (one lane, one process), the step is a
- * fixed sequence of the calls above, so it runs here in one call with no Python between layers:
- * per layer  h += wo . attend(rope(wqkv . rmsnorm(h)))  and  h += w2 . swiglu(w13 . rmsnorm(h)),
- * then logits = head . rmsnorm(h). The products and the attention are the same functions the
- * per-block path calls, and the residual adds are the same float additions. */
+ * fixed sequence of the calls above, so it runs here in one call, and in one team, with no Python
+ * between layers: per layer  h += wo . attend(rope(wqkv . rmsnorm(h)))  and
+ * h += w2 . swiglu(w13 . rmsnorm(h)),  then logits = head . rmsnorm(h). The products and the
+ * attention are the same functions the per-block path calls, and the residual adds are the same float
+ * additions. */
 
 enum { LW = 8, PL_ANORM = 0, PL_WQKV = 1, PL_WO = 1 + LW, PL_FNORM = 1 + 2 * LW, PL_W13 = 2 + 2 * LW,
        PL_W2 = 2 + 3 * LW, PLAN = 2 + 4 * LW };
+
+static size_t max_size(size_t a, size_t b) { return a > b ? a : b; }
+
+/* How many threads a step runs on. On an idle machine all of them are fastest, but when other work
+ * wants the cores (a browser rendering the stream, a test run beside the server), a team whose
+ * members keep losing their core to it waits at every phase, and one thread is faster (measured on
+ * 2 cores with one busy process beside: 50 tok/s on 2 threads, 105 on 1, 165 on 2 when idle). So the
+ * steps are timed: rung k of the ladder runs max(1, nmax >> k) threads, every STEP_PROBE-th step
+ * tries a neighbouring rung, and the team moves there when that rung's smoothed time is lower. A
+ * change of shape (batch, layers, thread count) starts the ladder over. The results do not depend on
+ * the rung: every product and attention is cut the same way for any number of threads. */
+#define RUNGS 8
+#define STEP_PROBE 32
+static struct {
+    int64_t B, layers;
+    int nmax, rungs, cur, pinned, probes;
+    int64_t count;
+    double ms[RUNGS]; /* smoothed step time per rung; 0: not timed yet */
+} LADDER;
+
+static int rung_threads(int k) { return LADDER.nmax >> k > 1 ? LADDER.nmax >> k : 1; }
+
+static int ladder_pick(int64_t B, int64_t layers, int nmax) {
+    if (B != LADDER.B || layers != LADDER.layers || nmax != LADDER.nmax) {
+        LADDER.B = B;
+        LADDER.layers = layers;
+        LADDER.nmax = nmax;
+        LADDER.cur = 0;
+        LADDER.count = 0;
+        LADDER.probes = 0;
+        for (LADDER.rungs = 1; LADDER.rungs < RUNGS && rung_threads(LADDER.rungs - 1) > 1; LADDER.rungs++) {}
+        memset(LADDER.ms, 0, sizeof LADDER.ms);
+    }
+    if (LADDER.pinned) return -1;
+    if (++LADDER.count % STEP_PROBE || LADDER.rungs == 1) return LADDER.cur;
+    int down = LADDER.cur + 1 < LADDER.rungs, up = LADDER.cur > 0;
+    int go_up = up && (!down || LADDER.probes++ % 2);
+    return LADDER.cur + (go_up ? -1 : 1);
+}
+
+static void ladder_record(int rung, double ms) {
+    if (rung < 0) return;
+    double *m = &LADDER.ms[rung];
+    *m = *m == 0.0 ? ms : *m + (rung == LADDER.cur ? 0.125 : 0.5) * (ms - *m);
+    if (rung != LADDER.cur && *m < 0.97 * LADDER.ms[LADDER.cur]) LADDER.cur = rung;
+}
+
+static double now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
+}
 
 /* step(plan, layers, cache, B, hq, hkv, hd, h, cos, sin, pos, head, norm, logits, eps)
  * plan: int64 [layers, PLAN]: attn_norm, wqkv (fmt, L, N, K, Kp, qs, d, m), wo (...), ffn_norm, w13, w2;
@@ -739,10 +905,12 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     int64_t layers = a[1], B = a[3], hq = a[4], hkv = a[5], hd = a[6], pos = a[10];
     float *h = (float *)(intptr_t)a[7];
     const float *cos = (const float *)(intptr_t)a[8], *sin = (const float *)(intptr_t)a[9];
-    const int64_t *head = (const int64_t *)(intptr_t)a[11];
+    const packed_t head = packed_from((const int64_t *)(intptr_t)a[11]);
     const float *norm = (const float *)(intptr_t)a[12];
     float *logits = (float *)(intptr_t)a[13];
+    int nthreads = omp_get_max_threads();
     int64_t qkv_w = 0, o_w = 0, u_w = 0;
+    size_t act = act_bytes(&head, B, PRE_RMSNORM, nthreads, NULL), att = 0;
     for (int64_t i = 0; i < layers; i++) {
         const int64_t *p = plan + i * PLAN, *c = cache + i * 3;
         if (p[PL_WQKV + 2] != (hq + 2 * hkv) * hd || p[PL_WO + 3] != hq * hd || p[PL_W2 + 3] * 2 != p[PL_W13 + 2]
@@ -754,36 +922,69 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         qkv_w = p[PL_WQKV + 2] > qkv_w ? p[PL_WQKV + 2] : qkv_w;
         o_w = p[PL_WO + 3] > o_w ? p[PL_WO + 3] : o_w;
         u_w = p[PL_W13 + 2] > u_w ? p[PL_W13 + 2] : u_w;
-    }
-    float *qkv = (float *)malloc(sizeof(float) * (size_t)(B * (qkv_w + o_w + u_w)));
-    if (!qkv) return PyErr_NoMemory();
-    float *o = qkv + B * qkv_w, *u = o + B * o_w;
-    int rc = 0;
-    float e = (float)eps;
-    Py_BEGIN_ALLOW_THREADS
-    for (int64_t i = 0; i < layers && rc == 0; i++) {
-        const int64_t *p = plan + i * PLAN, *c = cache + i * 3;
         packed_t wqkv = packed_from(p + PL_WQKV), wo = packed_from(p + PL_WO);
         packed_t w13 = packed_from(p + PL_W13), w2 = packed_from(p + PL_W2);
-        int64_t slots = c[2];
-        rc |= linear_run(&wqkv, B, h, qkv, PRE_RMSNORM, (const float *)(intptr_t)p[PL_ANORM], 0, e, 0);
-        rc |= attend_run(B, hq, hkv, hd, qkv, cos, sin, (float *)(intptr_t)c[0], (float *)(intptr_t)c[1], slots,
-                         pos % slots, pos + 1 < slots ? pos + 1 : slots, o);
-        rc |= linear_run(&wo, B, o, h, PRE_NONE, NULL, 0, e, 1);
-        rc |= linear_run(&w13, B, h, u, PRE_RMSNORM, (const float *)(intptr_t)p[PL_FNORM], 0, e, 0);
-        rc |= linear_run(&w2, B, u, h, PRE_SWIGLU, NULL, 0, e, 1);
+        act = max_size(act, act_bytes(&wqkv, B, PRE_RMSNORM, nthreads, NULL));
+        act = max_size(act, act_bytes(&wo, B, PRE_NONE, nthreads, NULL));
+        act = max_size(act, act_bytes(&w13, B, PRE_RMSNORM, nthreads, NULL));
+        act = max_size(act, act_bytes(&w2, B, PRE_SWIGLU, nthreads, NULL));
+        attend_t at = {.N = B, .hq = hq, .hkv = hkv, .hd = hd, .slots = c[2], .nvis = pos + 1 < c[2] ? pos + 1 : c[2]};
+        att = max_size(att, attend_cut(&at, nthreads).floats);
     }
-    if (rc == 0) {
-        packed_t hw = packed_from(head);
-        rc |= linear_run(&hw, B, h, logits, PRE_RMSNORM, norm, 0, e, 0);
+    size_t fbytes = sizeof(float) * (size_t)(B * (qkv_w + o_w + u_w) + att);
+    int8_t *buf = (int8_t *)aligned_alloc(64, (act + fbytes + 63) / 64 * 64);
+    if (!buf) return PyErr_NoMemory();
+    float *qkv = (float *)(buf + act), *o = qkv + B * qkv_w, *u = o + B * o_w, *scratch = u + B * u_w;
+    float e = (float)eps;
+    team_t team = {0, 0};
+    int rung = ladder_pick(B, layers, nthreads);
+    int threads = rung < 0 ? LADDER.pinned : rung_threads(rung);
+    double t0 = now_ms();
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel num_threads(threads < nthreads ? threads : nthreads)
+    {
+        int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+        for (int64_t i = 0; i < layers; i++) {
+            const int64_t *p = plan + i * PLAN, *c = cache + i * 3;
+            packed_t wqkv = packed_from(p + PL_WQKV), wo = packed_from(p + PL_WO);
+            packed_t w13 = packed_from(p + PL_W13), w2 = packed_from(p + PL_W2);
+            act_t aq = act_at(buf, &wqkv, B, PRE_RMSNORM, nthreads), ao = act_at(buf, &wo, B, PRE_NONE, nthreads);
+            act_t au = act_at(buf, &w13, B, PRE_RMSNORM, nthreads), ad = act_at(buf, &w2, B, PRE_SWIGLU, nthreads);
+            attend_t at = {B, hq, hkv, hd, c[2], pos % c[2], pos + 1 < c[2] ? pos + 1 : c[2], qkv,
+                           (float *)(intptr_t)c[0], (float *)(intptr_t)c[1], o, cos, sin};
+            attend_cut_t cut = attend_cut(&at, nthreads);
+            linear_team(&wqkv, B, h, qkv, PRE_RMSNORM, (const float *)(intptr_t)p[PL_ANORM], 0, e, 0, &aq, tid, nth,
+                        &team);
+            attend_team(&at, &cut, scratch, tid, nth, &team);
+            linear_team(&wo, B, o, h, PRE_NONE, NULL, 0, e, 1, &ao, tid, nth, &team);
+            linear_team(&w13, B, h, u, PRE_RMSNORM, (const float *)(intptr_t)p[PL_FNORM], 0, e, 0, &au, tid, nth,
+                        &team);
+            linear_team(&w2, B, u, h, PRE_SWIGLU, NULL, 0, e, 1, &ad, tid, nth, &team);
+        }
+        act_t ah = act_at(buf, &head, B, PRE_RMSNORM, nthreads);
+        linear_team(&head, B, h, logits, PRE_RMSNORM, norm, 0, e, 0, &ah, tid, nth, &team);
     }
     Py_END_ALLOW_THREADS
-    free(qkv);
-    if (rc < 0) return PyErr_NoMemory();
+    ladder_record(rung, now_ms() - t0);
+    free(buf);
     Py_RETURN_NONE;
 }
 
 static PyObject *py_kernel(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(KERNEL); }
+
+/* step_threads(n): n >= 1 pins the threads a step runs on, 0 lets the ladder choose; returns the
+ * count the next step would run on (-1 pins nothing and changes nothing). */
+static PyObject *py_step_threads(PyObject *self, PyObject *arg) {
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < -1) {
+        PyErr_SetString(PyExc_ValueError, "step_threads: n must be >= 0 (or -1 to read)");
+        return NULL;
+    }
+    if (n >= 0) LADDER.pinned = (int)n;
+    if (LADDER.pinned) return PyLong_FromLong(LADDER.pinned);
+    return PyLong_FromLong(LADDER.nmax ? rung_threads(LADDER.cur) : omp_get_max_threads());
+}
 
 /* activation_bits(bits): 8 or 16 (see quantize_act); returns the previous setting. 0 only reads it. */
 static PyObject *py_activation_bits(PyObject *self, PyObject *arg) {
@@ -827,6 +1028,7 @@ static PyMethodDef METHODS[] = {
     {"step", (PyCFunction)(void (*)(void))py_step, METH_FASTCALL,
      "step(plan, layers, cache, B, hq, hkv, hd, h, cos, sin, pos, head, norm, logits, eps)"},
     {"kernel", py_kernel, METH_NOARGS, "the dot-product kernel in use"},
+    {"step_threads", py_step_threads, METH_O, "step_threads(n): pin (n >= 1) or free (0) a step's threads"},
     {"activation_bits", py_activation_bits, METH_O, "activation_bits(8 | 16 | 0) -> the previous setting"},
     {"use", py_use, METH_O, "use('avx2' | 'generic')"},
     {NULL, NULL, 0, NULL},

@@ -79,6 +79,17 @@ def gemm_min_rows(rows: int | None = None) -> int:
     return before
 
 
+def step_threads(n: int | None = None) -> int:
+    """How many threads a whole decode step (`DecodeStep`) runs on. By default (0) the step times itself
+    and settles on the fastest of all, half, a quarter, ... of the threads, which is all of them on an
+    idle machine and fewer when other work competes for the cores; n >= 1 pins the count. Sets it when
+    given; returns the count the next step runs on. Results do not depend on it."""
+    require()
+    if n is not None and int(n) < 0:
+        raise ValueError("step_threads must be 0 (adaptive) or a thread count")
+    return _lowbit.step_threads(-1 if n is None else int(n))
+
+
 class PackedWeight:
     """A packed [N, K] or [L, N, K] weight. qs: codes [L, N, Kp] int8 or [L, N, Kp/2] uint8 (two
     4-bit codes per byte); d (and m for int4): fp16 [L, N, S], one per block of 32, S = Kp/32 rounded

@@ -31,8 +31,10 @@ def test_quick_bench_writes_every_table_as_json(tmp_path):
     dec = json.loads((tmp_path / "decode-cpu.json").read_text())
     engines = {(r["engine"], r["prompt"]) for r in dec["rows"]}
     ours = ("ours (eager)", "ours (int4)") if lowbit.available() else ("ours (eager)",)
-    assert engines == {(e, p) for e in (*ours, "transformers (eager)") for p in ("short", "512")} or \
-        engines == {(e, p) for e in (*ours, "transformers (eager)", "llama.cpp (Q4_1)") for p in ("short", "512")}
+    served = ("ours (int4, served)",) if lowbit.available() else ()  # through `laneplay engine` over HTTP
+    assert engines == {(e, p) for e in (*ours, *served, "transformers (eager)") for p in ("short", "512")} or \
+        engines == {(e, p) for e in (*ours, *served, "transformers (eager)", "llama.cpp (Q4_1)")
+                    for p in ("short", "512")}
     assert {(s["engine"], s["prompt"]) for s in dec["split"]} == {(e, p) for e in ours for p in ("short", "512")}
     for s in dec["split"]:
         assert all(_positive(s[k]) for k in ("step_ms", "matrices_ms", "attention_ms")), s

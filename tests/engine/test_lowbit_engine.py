@@ -101,6 +101,48 @@ def test_one_lane_models_decode_in_one_fused_step(tmp_path, fmt, overrides):
         fused.decode(torch.zeros(2, 1, dtype=torch.long), 6, fused.prefill(ids, 1, 40)[1])
 
 
+@torch.inference_mode()
+def test_fused_step_gives_the_same_logits_on_any_thread_count_and_thread(tmp_path):
+    """The fused step runs in one team of threads whose size it picks itself (`step_threads`): any
+    count, adaptive or pinned, and a step run from another Python thread (as the server's scheduler
+    does) give the same logits and cache, bit for bit."""
+    import threading
+
+    # one KV head and a long context: the attention over the full layers is cut into stretches
+    raw = tiny_laneformer_config(num_lanes=1, sliding_window=5, num_key_value_heads=1, max_position_embeddings=256)
+    cfg, src = open_checkpoint(write_checkpoint(tmp_path / "one", raw, random_laneformer_tensors(raw, seed=4)))
+    model = LaneModel(cfg, lowbit.pack_weights(load_weights(cfg, src), "int4"))
+    src.close()
+    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(5))
+
+    def run(n_seq=1):
+        _, cache = model.prefill(ids, n_seq, 200)
+        out = [model.decode(torch.tensor([[(3 * pos + i) % 256] for i in range(n_seq)]), pos, cache)
+               for pos in range(6, 200)]  # past the ring of 5 and past several probes of the ladder
+        return torch.stack(out), torch.cat([t.flatten() for t in cache.k + cache.v])
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(4)  # more threads than this machine may have cores: the team must still agree
+        lowbit.step_threads(1)
+        want_logits, want_cache = run()
+        for n in (2, 3, 4, 0):
+            assert lowbit.step_threads(n) == (n or lowbit.step_threads())
+            logits, kv = run()
+            assert torch.equal(logits, want_logits) and torch.equal(kv, want_cache), n
+        got = {}
+        worker = threading.Thread(target=lambda: got.update(zip(("logits", "kv"), run())))
+        worker.start()
+        worker.join()
+        assert torch.equal(got["logits"], want_logits) and torch.equal(got["kv"], want_cache)
+        assert lowbit.step_threads() >= 1
+    finally:
+        lowbit.step_threads(0)
+        torch.set_num_threads(threads)
+    with pytest.raises(ValueError, match="thread count"):
+        lowbit.step_threads(-3)
+
+
 def test_lane_models_keep_the_per_block_path(tmp_path):
     """Cross-lane sums between blocks: no fused step for several lanes (or under DTP ranks)."""
     _, low, _ = models(tmp_path, "d2-early", "int4")
