@@ -60,3 +60,43 @@ def test_ties_huge_and_negative_logits():
     for _ in range(20):
         a, b = sample(logits, params, gens).tolist()
         assert a in (0, 1) and 0 <= b < 4
+
+
+def _top_p_reference(logits, top_p):
+    """top-p by sorting the whole row (the textbook way)."""
+    probs = logits.softmax(-1)
+    ranked, order = torch.sort(probs, dim=-1, descending=True)
+    drop = (ranked.cumsum(-1) - ranked) >= top_p
+    drop[..., 0] = False
+    return torch.zeros_like(drop).scatter(-1, order, drop)
+
+
+@pytest.mark.parametrize("spread", [0.05, 1.0, 3.0, 12.0])  # flat rows need thousands of candidates, peaked ones few
+@pytest.mark.parametrize("top_p", [0.1, 0.5, 0.9, 0.99])
+def test_top_p_ranks_a_few_candidates_but_keeps_what_a_full_sort_keeps(spread, top_p):
+    from laneplay.engine.sampling import TOP_P_CANDIDATES, _top_p_drop
+
+    g = torch.Generator().manual_seed(int(spread * 100 + top_p * 10))
+    logits = torch.randn(3, 20_000, generator=g) * spread
+    logits[1, :5] += 30.0  # one peaked row beside flat ones: the cut differs per row
+    got, want = _top_p_drop(logits, top_p), _top_p_reference(logits, top_p)
+    # ranks equal up to float rounding of the running sum: only a token right at the cut may differ
+    assert int((got != want).sum()) <= 1
+    assert (~got).sum(-1).min() >= 1
+    if spread >= 3.0 and top_p <= 0.5:
+        assert int((~got[1]).sum()) < TOP_P_CANDIDATES
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.8),
+                                    SamplingParams(temperature=1.3, top_k=4, min_p=0.05)])
+def test_draws_follow_the_processed_distribution(params):
+    """20,000 draws from one seeded generator: each token's frequency within 4.5 standard errors of its
+    probability, and never a token that the settings ruled out."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0, float("-inf"), -3.0, 1.5]])
+    want = process_logits(logits, params.validate()).softmax(-1)[0].double()
+    gens = make_generators([11], "cpu")
+    draws = torch.cat([sample(logits.expand(1000, -1), params, gens * 1000) for _ in range(20)])
+    freq = torch.bincount(draws, minlength=8).double() / len(draws)
+    se = (want * (1 - want) / len(draws)).sqrt()
+    assert ((freq - want).abs() <= 4.5 * se + 1e-12).all(), (freq, want)
+    assert (freq[want == 0] == 0).all()
