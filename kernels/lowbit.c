@@ -842,19 +842,23 @@ enum { LW = 8, PL_ANORM = 0, PL_WQKV = 1, PL_WO = 1 + LW, PL_FNORM = 1 + 2 * LW,
 static size_t max_size(size_t a, size_t b) { return a > b ? a : b; }
 
 /* How many threads a step runs on. On an idle machine all of them are fastest, but when other work
- * wants the cores (a browser rendering the stream, a test run beside the server), a team whose
- * members keep losing their core to it waits at every phase, and one thread is faster (measured on
- * 2 cores with one busy process beside: 50 tok/s on 2 threads, 105 on 1, 165 on 2 when idle). So the
- * steps are timed: rung k of the ladder runs max(1, nmax >> k) threads, every STEP_PROBE-th step
- * tries a neighbouring rung, and the team moves there when that rung's smoothed time is lower. A
- * change of shape (batch, layers, thread count) starts the ladder over. The results do not depend on
- * the rung: every product and attention is cut the same way for any number of threads. */
+ * wants the cores (the browser rendering the stream and the web app relaying it, a test run beside
+ * the server), a team whose members keep losing their core waits at every phase, and fewer threads are
+ * faster (measured on 2 cores beside one busy process: 50 tok/s on 2 threads, 105 on 1; idle, 165 on
+ * 2). So the steps are timed: rung k of the ladder runs max(1, nmax >> k) threads, and a step now and
+ * then tries a neighbouring rung; the team moves there when that rung's smoothed time is lower. Probes
+ * start PROBE_MIN steps apart and back off (doubling, up to PROBE_MAX) while they lose, so an idle
+ * machine pays ~2% for them and a change in the machine's load is noticed within about half a second.
+ * A change of shape (batch, layers, thread count) forgets the times but keeps the rung: the load on the
+ * machine does not depend on the request. The results do not depend on the rung: every product and
+ * attention is cut the same way for any number of threads. */
 #define RUNGS 8
-#define STEP_PROBE 32
+#define PROBE_MIN 4
+#define PROBE_MAX 64
 static struct {
     int64_t B, layers;
-    int nmax, rungs, cur, pinned, probes;
-    int64_t count;
+    int nmax, rungs, cur, pinned, probes, gap;
+    int64_t until; /* steps before the next probe */
     double ms[RUNGS]; /* smoothed step time per rung; 0: not timed yet */
 } LADDER;
 
@@ -865,14 +869,14 @@ static int ladder_pick(int64_t B, int64_t layers, int nmax) {
         LADDER.B = B;
         LADDER.layers = layers;
         LADDER.nmax = nmax;
-        LADDER.cur = 0;
-        LADDER.count = 0;
-        LADDER.probes = 0;
         for (LADDER.rungs = 1; LADDER.rungs < RUNGS && rung_threads(LADDER.rungs - 1) > 1; LADDER.rungs++) {}
+        LADDER.cur = LADDER.cur < LADDER.rungs ? LADDER.cur : LADDER.rungs - 1;
+        LADDER.gap = LADDER.until = PROBE_MIN;
         memset(LADDER.ms, 0, sizeof LADDER.ms);
     }
     if (LADDER.pinned) return -1;
-    if (++LADDER.count % STEP_PROBE || LADDER.rungs == 1) return LADDER.cur;
+    if (--LADDER.until > 0 || LADDER.rungs == 1 || LADDER.ms[LADDER.cur] == 0.0) return LADDER.cur;
+    LADDER.until = LADDER.gap;
     int down = LADDER.cur + 1 < LADDER.rungs, up = LADDER.cur > 0;
     int go_up = up && (!down || LADDER.probes++ % 2);
     return LADDER.cur + (go_up ? -1 : 1);
@@ -881,8 +885,14 @@ static int ladder_pick(int64_t B, int64_t layers, int nmax) {
 static void ladder_record(int rung, double ms) {
     if (rung < 0) return;
     double *m = &LADDER.ms[rung];
-    *m = *m == 0.0 ? ms : *m + (rung == LADDER.cur ? 0.125 : 0.5) * (ms - *m);
-    if (rung != LADDER.cur && *m < 0.97 * LADDER.ms[LADDER.cur]) LADDER.cur = rung;
+    *m = *m == 0.0 ? ms : *m + (rung == LADDER.cur ? 0.25 : 0.5) * (ms - *m);
+    if (rung == LADDER.cur) return;
+    if (*m < 0.97 * LADDER.ms[LADDER.cur]) {  /* the probe won: move, and probe again soon */
+        LADDER.cur = rung;
+        LADDER.gap = LADDER.until = PROBE_MIN;
+    } else if (LADDER.gap < PROBE_MAX) {
+        LADDER.gap *= 2;
+    }
 }
 
 static double now_ms(void) {
