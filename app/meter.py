@@ -31,6 +31,10 @@ class MeterData:
     note: str = ""  # queue position, finish reason, engine stage, ...
 
 
+def _title(text: str) -> str:
+    return f' title="{html.escape(text, quote=True)}"'
+
+
 def _num(x: float | None, fmt: str) -> str:
     return "–" if x is None else format(x, fmt)
 
@@ -61,7 +65,7 @@ def render(d: MeterData, elem_id: str = "meter", compact: bool = False, resting:
     if not compact:
         cells += [("elapsed", f"{d.elapsed_ms / 1000:.1f} s", "elapsed"), ("runs on", where or "–", "where")]
     body = "".join(f'<div class="lp-cell lp-{key}"><span class="lp-k">{k}</span>'
-                   f'<span class="lp-v">{html.escape(v)}</span></div>' for k, v, key in cells)
+                   f'<span class="lp-v"{_title(v) if key == "where" else ""}>{html.escape(v)}</span></div>' for k, v, key in cells)
     source = "" if d.source == "server" else '<span class="lp-src" title="the server sent no timing">app-side timing</span>'
     note = f'<span class="lp-note">{html.escape(d.note)}</span>' if d.note else ""
     return (f'<div {a}><div class="lp-head"><span class="lp-state">{d.state}</span>{note}{source}</div>'
