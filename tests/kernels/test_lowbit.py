@@ -103,6 +103,21 @@ def test_linear_matches_the_unpacked_weight(kernel, bits, fmt, m, n, k):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("m,n,k", [(2, 8, 64), (3, 10, 96), (5, 33, 200), (16, 12, 576), (4, 4, 32)])
+def test_a_row_in_a_batch_gets_exactly_what_it_gets_alone(kernel, bits, fmt, m, n, k):
+    """Each row of a product (a sample of a batch) gets bit for bit what it gets alone, plain or with the
+    fused RMSNorm or SwiGLU, in a lane weight too: a sample's tokens do not depend on its batch."""
+    torch.manual_seed(4)
+    p = lowbit.pack(torch.randn(2, n, k), fmt)
+    x, g = torch.randn(2, m, k) * 2, torch.rand(k) + 0.5
+    assert torch.equal(p.linear(x), torch.cat([p.linear(x[:, i:i + 1]) for i in range(m)], 1))
+    assert torch.equal(p.linear(x, norm=g, eps=1e-5),
+                       torch.cat([p.linear(x[:, i:i + 1], norm=g, eps=1e-5) for i in range(m)], 1))
+    u = torch.randn(2, m, 2 * k)
+    assert torch.equal(p.linear(u, swiglu=True), torch.cat([p.linear(u[:, i:i + 1], swiglu=True) for i in range(m)], 1))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_lane_weights_multiply_each_lane_by_its_own_slice(kernel, bits, fmt):
     torch.manual_seed(2)
     L, n, k = 3, 20, 96
