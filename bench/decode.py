@@ -41,28 +41,16 @@ def our_run(eng, ids, new_tokens, n=1, temperature=0.0):
 
 
 def served_engine(dtype: str):
-    """`laneplay engine` in a subprocess: the model loaded on the server's main thread, requests decoded
-    on its scheduler thread, behind HTTP: the path the playground gets. Returns (process, base URL)."""
-    import socket
-    import subprocess
-    import sys
-    import urllib.request
+    """`laneplay engine` started as the playground starts it (`LocalEngine`): the model loaded on the
+    server's main thread, requests decoded on its scheduler thread, behind HTTP. Returns it ready."""
+    from laneplay.app.supervisor import LocalEngine
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-P", "-m", "laneplay", "engine", "--port", str(port), "--dtype", dtype,
-                             "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2):
-                return proc, url
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"`laneplay engine --dtype {dtype}` did not come up")
+    eng = LocalEngine("smollm2-135m-instruct", dtype=dtype)
+    eng.start()
+    if not eng.wait_ready(300):
+        eng.stop()
+        raise RuntimeError(f"`laneplay engine --dtype {dtype}` did not come up: {eng.detail}")
+    return eng
 
 
 def served_run(url, ids, new_tokens):
@@ -244,9 +232,8 @@ def main(argv=None) -> int:
     contenders = {name: (lambda ids, k, e=e: our_run(e, ids, k)) for name, e in ours.items()}
     servers = []
     for dt in _csv(args.served) if lowbit.available() else []:
-        proc, url = served_engine(dt)
-        servers.append(proc)
-        contenders[f"ours ({dt}, served)"] = lambda ids, k, url=url: served_run(url, ids, k)
+        servers.append(served_engine(dt))
+        contenders[f"ours ({dt}, served)"] = lambda ids, k, url=servers[-1].url: served_run(url, ids, k)
     if "transformers" in peers:
         import transformers
 
@@ -274,9 +261,8 @@ def main(argv=None) -> int:
                 runs[(name, pname)].append(fn(ids, args.new_tokens))
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k[0]} @{k[1]} {v[-1]['decode_tps']:.1f}"
                                                            for k, v in runs.items() if v))
-    for proc in servers:
-        proc.terminate()
-        proc.wait(30)
+    for server in servers:
+        server.stop()
     bw_after = measure_bandwidth(args.bandwidth_gib)
     quiet.append(check_quiet(True, "after"))
     from laneplay.engine.runtime import CPU_DEFAULT

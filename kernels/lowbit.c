@@ -901,6 +901,15 @@ static double now_ms(void) {
     return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
 }
 
+/* A step's attention in one layer at position pos: c is the layer's cache row (k, v, slots); the token
+ * goes to slot pos % slots and sees min(pos + 1, slots) slots. */
+static attend_t step_attention(const int64_t *c, int64_t B, int64_t hq, int64_t hkv, int64_t hd, int64_t pos,
+                               float *qkv, float *o, const float *cos, const float *sin) {
+    attend_t at = {B, hq, hkv, hd, c[2], pos % c[2], pos + 1 < c[2] ? pos + 1 : c[2], qkv,
+                   (float *)(intptr_t)c[0], (float *)(intptr_t)c[1], o, cos, sin};
+    return at;
+}
+
 /* step(plan, layers, cache, B, hq, hkv, hd, h, cos, sin, pos, head, norm, logits, eps)
  * plan: int64 [layers, PLAN]: attn_norm, wqkv (fmt, L, N, K, Kp, qs, d, m), wo (...), ffn_norm, w13, w2;
  * cache: int64 [layers, 3]: k, v, slots; h: float32 [B, D], the residual (updated in place);
@@ -923,9 +932,10 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     size_t act = act_bytes(&head, B, PRE_RMSNORM, nthreads, NULL), att = 0;
     for (int64_t i = 0; i < layers; i++) {
         const int64_t *p = plan + i * PLAN, *c = cache + i * 3;
+        attend_t at = c[2] >= 1 ? step_attention(c, B, hq, hkv, hd, pos, NULL, NULL, cos, sin) : (attend_t){0};
         if (p[PL_WQKV + 2] != (hq + 2 * hkv) * hd || p[PL_WO + 3] != hq * hd || p[PL_W2 + 3] * 2 != p[PL_W13 + 2]
             || p[PL_WQKV + 1] != 1 || p[PL_WO + 1] != 1 || p[PL_W13 + 1] != 1 || p[PL_W2 + 1] != 1
-            || !attend_args_ok(hq, hkv, c[2], pos % c[2], pos + 1 < c[2] ? pos + 1 : c[2])) {
+            || !attend_args_ok(hq, hkv, at.slots, at.slot, at.nvis)) {
             PyErr_Format(PyExc_ValueError, "step: layer %lld does not fit the plan", (long long)i);
             return NULL;
         }
@@ -938,7 +948,6 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         act = max_size(act, act_bytes(&wo, B, PRE_NONE, nthreads, NULL));
         act = max_size(act, act_bytes(&w13, B, PRE_RMSNORM, nthreads, NULL));
         act = max_size(act, act_bytes(&w2, B, PRE_SWIGLU, nthreads, NULL));
-        attend_t at = {.N = B, .hq = hq, .hkv = hkv, .hd = hd, .slots = c[2], .nvis = pos + 1 < c[2] ? pos + 1 : c[2]};
         att = max_size(att, attend_cut(&at, nthreads).floats);
     }
     size_t fbytes = sizeof(float) * (size_t)(B * (qkv_w + o_w + u_w) + att);
@@ -960,8 +969,7 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             packed_t w13 = packed_from(p + PL_W13), w2 = packed_from(p + PL_W2);
             act_t aq = act_at(buf, &wqkv, B, PRE_RMSNORM, nthreads), ao = act_at(buf, &wo, B, PRE_NONE, nthreads);
             act_t au = act_at(buf, &w13, B, PRE_RMSNORM, nthreads), ad = act_at(buf, &w2, B, PRE_SWIGLU, nthreads);
-            attend_t at = {B, hq, hkv, hd, c[2], pos % c[2], pos + 1 < c[2] ? pos + 1 : c[2], qkv,
-                           (float *)(intptr_t)c[0], (float *)(intptr_t)c[1], o, cos, sin};
+            attend_t at = step_attention(c, B, hq, hkv, hd, pos, qkv, o, cos, sin);
             attend_cut_t cut = attend_cut(&at, nthreads);
             linear_team(&wqkv, B, h, qkv, PRE_RMSNORM, (const float *)(intptr_t)p[PL_ANORM], 0, e, 0, &aq, tid, nth,
                         &team);
