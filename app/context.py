@@ -1,16 +1,15 @@
-"""What every tab shares: the engine, its client, the store, the owner id of the browser, validation."""
+"""What every tab shares: the engine, its client, the store, who the browser is (its signed owner
+cookie) and what it may do (the quota), validation."""
 from __future__ import annotations
 
-import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from laneplay.app.client import EngineClient
 from laneplay.app.jobs import JobManager
+from laneplay.app.owners import OwnerKeys
+from laneplay.app.quota import Quota, address_of
 from laneplay.app.supervisor import Engine
 from laneplay.storage import Store
-
-OWNER_COOKIE = "laneplay_owner"
-OWNER_BYTES = 32  # 256 random bits; only its SHA-256 is stored
 
 # Input bounds of the UI (the engine and storage check again).
 MAX_CODE_CHARS = 64 * 1024
@@ -22,31 +21,26 @@ MAX_SEED = 2**63 - 1
 MAX_TOP_K = 1000
 
 
-def new_owner_id() -> str:
-    return secrets.token_urlsafe(OWNER_BYTES)
-
-
-def owner_of(request) -> str | None:
-    """The browser's owner id from its cookie (None if it has none or it is malformed)."""
-    if request is None:
-        return None
-    cookies = getattr(request, "cookies", None) or {}
-    owner = cookies.get(OWNER_COOKIE) if hasattr(cookies, "get") else None
-    if isinstance(owner, str) and 22 <= len(owner) <= 128 and all(c.isalnum() or c in "-_" for c in owner):
-        return owner
-    return None
-
-
 @dataclass
 class AppContext:
     engine: Engine
     store: Store
     jobs: JobManager | None = None  # pass@N runs; made from the engine and store when not given
     single_ms_per_token: float | None = None  # the engine's decode step at batch 1, as the app last measured it
+    owners: OwnerKeys = field(default_factory=OwnerKeys)  # signs and reads owner cookies
+    quota: Quota = field(default_factory=Quota)
 
     def __post_init__(self):
         if self.jobs is None:
             self.jobs = JobManager(self.store, self.engine)
+
+    def owner_of(self, request) -> str | None:
+        """The browser's owner id from its signed cookie; None for no cookie or one this server did not sign."""
+        return self.owners.owner_of(request)
+
+    @staticmethod
+    def address_of(request) -> str:
+        return address_of(request)
 
     def client(self) -> EngineClient:
         return EngineClient(self.engine.url, api_key=self.engine.api_key)

@@ -29,6 +29,7 @@ import gradio as gr
 from laneplay.app import playground
 from laneplay.app.client import EngineError, StreamTimer
 from laneplay.app.context import AppContext, InputError, check_texts, request_body, sampling
+from laneplay.app.quota import Limited
 from laneplay.app.meter import MeterData, render
 
 MODES = (("delayed", "delayed (DTP)", "dtp-meter-delayed"), ("wait_now", "wait now (exposed)", "dtp-meter-wait"))
@@ -409,7 +410,7 @@ def build(ctx: AppContext, pg: dict) -> dict:
                 timeline_svg(runs) if end or fresh else gr.update(), table_html(runs) if end or fresh else gr.update(),
                 gr.update(interactive=availability(ctx)[0] is not False) if end else gr.update(interactive=False))
 
-    async def run_ab(code_text, instruction_text, mode_value, mt):
+    async def run_ab(code_text, instruction_text, mode_value, mt, request: gr.Request):
         runs = [Run(c) for c, _, _ in MODES]
         for r, (_, label, _) in zip(runs, MODES):
             r.meter.note = label
@@ -418,7 +419,8 @@ def build(ctx: AppContext, pg: dict) -> dict:
             n = sampling(0.0, 1.0, 0, mt, None, None)["max_tokens"]
             if n > MAX_AB_TOKENS:
                 raise InputError(f"Max tokens must be at most {MAX_AB_TOKENS} for an A/B (got {n}).")
-        except InputError as e:
+            playground.admit_generation(ctx, request)  # a cookie, and within the quota (the A/B counts once)
+        except (InputError, Limited) as e:
             yield frame(runs, str(e))
             return
         waited = time.monotonic()

@@ -7,9 +7,9 @@ from dataclasses import asdict
 
 import gradio as gr
 
-from laneplay.app.context import AppContext, owner_of
+from laneplay.app.context import AppContext
 from laneplay.app.meter import MeterData, render
-from laneplay.storage import ValidationError
+from laneplay.storage import NotFound, ValidationError
 
 COLUMNS = ["Title", "Model", "Updated (UTC)", "Best tokens/s", "Generations", "Share links"]
 RUN_COLUMNS = ["Run", "Status", "Problems", "N", "T", "pass@1", "best pass@k", "greedy pass@1", "Started (UTC)"]
@@ -44,10 +44,18 @@ def rows(ctx: AppContext, owner: str | None) -> tuple[list[list], list[str]]:
     return table, [s["id"] for s in sessions]
 
 
-def links_html(ctx: AppContext, sid: str | None) -> str:
+def link_choices(ctx: AppContext, sid: str | None, owner: str | None) -> list[tuple[str, str]]:
+    """The live links of `owner`'s session as (label, key) for the revoke dropdown; [] for anyone else's."""
     if not sid:
+        return []
+    return [(f"{x['link'][:8]} ({(x['created_at'] or '')[:19].replace('T', ' ')})", x["link"])
+            for x in ctx.store.list_shares(sid, owner=owner)]
+
+
+def links_html(ctx: AppContext, sid: str | None, owner: str | None) -> str:
+    if not sid or not ctx.store.owns(sid, owner):
         return ""
-    links = ctx.store.list_shares(sid)
+    links = ctx.store.list_shares(sid, owner=owner)
     if not links:
         return "<p class='lp-muted'>No live share links for this session.</p>"
     items = "".join(f"<li>link <code>{html.escape(x['link'][:8])}</code> created "
@@ -94,18 +102,19 @@ def build(ctx: AppContext, session_id: gr.State, pg: dict, tabs: gr.Tabs, pn: di
     refreshes = itertools.count(1)
 
     def refresh(request: gr.Request):
-        table_rows, session_ids = rows(ctx, owner_of(request))
+        owner = ctx.owner_of(request)
+        table_rows, session_ids = rows(ctx, owner)
         n = len(session_ids)
         summary = (f'<span id="history-count" data-count="{n}" data-seq="{next(refreshes)}">'
                    f'{n} session{"s" if n != 1 else ""}</span>')
-        return (table_rows, session_ids, summary, *run_rows(ctx, owner_of(request)))
+        return (table_rows, session_ids, summary, *run_rows(ctx, owner))
 
     def pick_run(ids_now, evt: gr.SelectData):
         row = evt.index[0] if isinstance(evt.index, (list, tuple)) else evt.index
         return ids_now[row] if row is not None and row < len(ids_now) else None
 
     def open_run(run_id, request: gr.Request):
-        owner = owner_of(request)
+        owner = ctx.owner_of(request)
         if not run_id or not ctx.store.owns_comparison(run_id, owner):
             return (gr.update(),) * 6 + ("Select one of your runs first.", gr.update())
         return (run_id, *pn["render"](run_id, owner)) + ("", gr.Tabs(selected="passn"))
@@ -115,39 +124,40 @@ def build(ctx: AppContext, session_id: gr.State, pg: dict, tabs: gr.Tabs, pn: di
         if row is None or row >= len(session_ids):
             return None, "", "", gr.update(choices=[], value=None)
         sid = session_ids[row]
-        s = ctx.store.get_session(sid, owner=owner_of(request))
+        owner = ctx.owner_of(request)
+        s = ctx.store.get_session(sid, owner=owner)
         if s is None:
             return None, "", "", gr.update(choices=[], value=None)
-        choices = [(f"{x['link'][:8]} ({(x['created_at'] or '')[:19].replace('T', ' ')})", x["link"])
-                   for x in ctx.store.list_shares(sid)]
-        return sid, s["title"], links_html(ctx, sid), gr.update(choices=choices, value=choices[0][1] if choices else None)
+        choices = link_choices(ctx, sid, owner)
+        return sid, s["title"], links_html(ctx, sid, owner), \
+            gr.update(choices=choices, value=choices[0][1] if choices else None)
 
     def rename(sid, new_title, request: gr.Request):
-        if not sid or not ctx.store.owns(sid, owner_of(request)):
+        owner = ctx.owner_of(request)
+        if not sid or not ctx.store.owns(sid, owner):
             return "Select one of your sessions first."
         try:
-            ctx.store.update_session(sid, title=(new_title or "").strip() or "Untitled session")
-        except ValidationError as e:
+            ctx.store.update_session(sid, title=(new_title or "").strip() or "Untitled session", owner=owner)
+        except (ValidationError, NotFound) as e:
             return f"Not renamed: {e}"
         return "Renamed."
 
     def delete(sid, request: gr.Request):
-        if not sid or not ctx.store.owns(sid, owner_of(request)):
-            return "Select one of your sessions first.", sid
-        ctx.store.delete_session(sid)
+        if not sid or not ctx.store.delete_session(sid, owner=ctx.owner_of(request)):
+            return "Select one of your sessions first.", None
         return "Deleted (its share links are gone too).", None
 
     def revoke(sid, link, request: gr.Request):
-        if not sid or not ctx.store.owns(sid, owner_of(request)) or not link:
-            return "Select a session and one of its links first.", links_html(ctx, sid), gr.update()
-        ok = ctx.store.revoke_link(sid, link)
-        choices = [(f"{x['link'][:8]} ({(x['created_at'] or '')[:19].replace('T', ' ')})", x["link"])
-                   for x in ctx.store.list_shares(sid)]
+        owner = ctx.owner_of(request)
+        if not sid or not ctx.store.owns(sid, owner) or not link:  # nothing of anyone else's in the answer
+            return "Select one of your sessions and one of its links first.", "", gr.update(choices=[], value=None)
+        ok = ctx.store.revoke_link(sid, link, owner=owner)
+        choices = link_choices(ctx, sid, owner)
         return ("Revoked: the link now shows “does not exist or was revoked”." if ok else "That link was already gone."), \
-            links_html(ctx, sid), gr.update(choices=choices, value=choices[0][1] if choices else None)
+            links_html(ctx, sid, owner), gr.update(choices=choices, value=choices[0][1] if choices else None)
 
     def open_session(sid, request: gr.Request):
-        s = ctx.store.get_session(sid, owner=owner_of(request)) if sid else None
+        s = ctx.store.get_session(sid, owner=ctx.owner_of(request)) if sid else None
         if s is None:
             return (gr.update(),) * 10 + ("Select one of your sessions first.", gr.update())
         p = s["params"] or {}

@@ -6,8 +6,10 @@ in the sandbox (`app.checks`: at most one program per core, across all tabs and 
 outcome as soon as it is known, so a reload, a closed tab or a killed server loses nothing that
 finished. Reopening a run reads its progress from the database.
 
-Bounds: one active run per owner, at most `max_running` generating at a time (later ones wait as
-`queued`), at most `max_active` queued or running in all; past them, `start` refuses with `Busy`.
+Bounds (`app.quota`): one active run per owner, at most a quarter of the server's active slots per
+client address (so made-up owners from one address cannot fill them), at most `max_running` generating at
+a time (later ones wait as `queued`), at most `max_active` queued or running in all; past them, `start`
+refuses with `Busy`. Every store write of a job is made as its owner.
 When the run starts it measures the engine's decode step time at each batch size k <= N (a short
 request per k), which is what the latency cost per k is computed from.
 """
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 
 from laneplay.app.checks import SandboxMissing, check_code, sandbox_status
 from laneplay.app.client import EngineClient, EngineError, StreamTimer
+from laneplay.app.quota import PASSN_ACTIVE, PASSN_ACTIVE_PER_ADDRESS, PASSN_RUNNING
 from laneplay.evals.passk import KS, count_statuses, mean_pass_at_ks
 from laneplay.evals.engine_generate import REMOTE_STOP_LIMIT
 from laneplay.evals.problems import Problem
@@ -75,6 +78,7 @@ class RunConfig:
 class _Job:
     id: str
     owner: str
+    address: str
     problems: list[Problem]
     config: RunConfig
     created: float = field(default_factory=time.monotonic)
@@ -142,9 +146,10 @@ def extract(problem: Problem, mode: str, text: str):
 
 
 class JobManager:
-    def __init__(self, store, engine, *, max_running: int = 2, max_active: int = 8):
+    def __init__(self, store, engine, *, max_running: int = PASSN_RUNNING, max_active: int = PASSN_ACTIVE,
+                 max_per_address: int = PASSN_ACTIVE_PER_ADDRESS):
         self.store, self.engine = store, engine
-        self.max_running, self.max_active = max_running, max_active
+        self.max_running, self.max_active, self.max_per_address = max_running, max_active, max_per_address
         self._jobs: dict[str, _Job] = {}
         self._slots: asyncio.Semaphore | None = None
 
@@ -153,8 +158,20 @@ class JobManager:
     def active_run(self, owner: str) -> str | None:
         return next((j.id for j in self._jobs.values() if j.owner == owner), None)
 
+    def admit(self, owner: str, address: str) -> None:
+        """Raises Busy when `owner` (from `address`) may not start a run now."""
+        if self.active_run(owner) is not None:
+            raise Busy("You already have a pass@N run going; wait for it or cancel it first.")
+        from_here = sum(j.address == address for j in self._jobs.values())
+        if from_here >= self.max_per_address:
+            raise Busy(f"{from_here} pass@N runs from your address are queued or running, the most one address "
+                       f"may have of the server's {self.max_active}. Wait for one to finish.")
+        if len(self._jobs) >= self.max_active:
+            raise Busy(f"The server is busy: {len(self._jobs)} pass@N runs are queued or running. "
+                       "Try again in a few minutes.")
+
     async def start(self, *, owner: str, session_id: str, problems: list[Problem], problem_set: str,
-                    config: RunConfig, model: str = "") -> str:
+                    config: RunConfig, model: str = "", address: str = "local") -> str:
         """Stores the run and starts its job; returns the run (comparison) id."""
         config.validate()
         if not problems:
@@ -165,12 +182,7 @@ class JobManager:
         ok, why = sandbox_status()
         if not ok:
             raise SandboxMissing(f"The sandbox is unavailable, so pass@N cannot run generated code: {why}")
-        mine = self.active_run(owner)
-        if mine is not None:
-            raise Busy("You already have a pass@N run going; wait for it or cancel it first.")
-        if len(self._jobs) >= self.max_active:
-            raise Busy(f"The server is busy: {len(self._jobs)} pass@N runs are queued or running. "
-                       "Try again in a few minutes.")
+        self.admit(owner, address)
         user = [p for p in problems if p.source == "user"]
         settings = {"top_p": config.top_p, "max_tokens": config.max_tokens, "seed": config.seed,
                     "mode": config.mode, "timeout_s": config.timeout_s,
@@ -181,8 +193,8 @@ class JobManager:
             problem_set=problem_set, problem_ids=[p.task_id for p in problems], n=config.n,
             temperature=config.temperature, greedy=True, session_id=session_id, model=settings["engine"],
             tests=[p.test for p in user] or None, status="queued" if len(self._jobs) >= self.max_running else "running",
-            settings=settings)
-        job = _Job(cid, owner, list(problems), config)
+            settings=settings, owner=owner)
+        job = _Job(cid, owner, address, list(problems), config)
         self._jobs[cid] = job
         job.task = asyncio.get_running_loop().create_task(self._run(job), name=f"pass@N {cid}")
         return cid
@@ -216,15 +228,15 @@ class JobManager:
                 j.task.cancel()
         await asyncio.gather(*(j.task for j in jobs if j.task is not None), return_exceptions=True)
         for j in jobs:
-            self._set_status(j.id, "interrupted", "the server stopped during the run")
+            self._set_status(j, "interrupted", "the server stopped during the run")
 
     # -- the job ---------------------------------------------------------------------------------
 
-    def _set_status(self, run_id: str, status: str, error: str | None = None) -> None:
+    def _set_status(self, job: _Job, status: str, error: str | None = None) -> None:
         try:
-            self.store.set_run_status(run_id, status, error)
+            self.store.set_run_status(job.id, status, error, owner=job.owner)
         except Exception:  # noqa: BLE001 (a deleted session takes its runs with it)
-            log.warning("could not mark run %s %s", run_id, status, exc_info=True)
+            log.warning("could not mark run %s %s", job.id, status, exc_info=True)
 
     async def _run(self, job: _Job) -> None:
         if self._slots is None:
@@ -233,7 +245,7 @@ class JobManager:
         try:
             async with self._slots:
                 job.started, job.phase = time.monotonic(), "starting"
-                self._set_status(job.id, "running")
+                self._set_status(job, "running")
                 await self._work(job)
         except asyncio.CancelledError:
             status = "interrupted" if job.phase != "cancelling" else "cancelled"
@@ -248,7 +260,7 @@ class JobManager:
         finally:
             self._jobs.pop(job.id, None)
         if status != "done":
-            self._set_status(job.id, status, error)
+            self._set_status(job, status, error)
 
     async def _wait_engine(self, job: _Job) -> None:
         waited = time.monotonic()
@@ -283,7 +295,7 @@ class JobManager:
             if steps:
                 step_ms[str(k)] = round(min(steps), 3)
         if step_ms:
-            self.store.update_run_settings(job.id, {"step_ms": step_ms})
+            self.store.update_run_settings(job.id, {"step_ms": step_ms}, owner=job.owner)
 
     async def _work(self, job: _Job) -> None:
         cfg = job.config
@@ -300,7 +312,7 @@ class JobManager:
                     "greedy_ms": greedy.ms, "greedy_ttft_ms": greedy.ttft_ms, "greedy_step_ms": greedy.step_ms,
                     "greedy_tokens": max(greedy.tokens, default=0), "batch_ms": batch.ms,
                     "batch_ttft_ms": batch.ttft_ms, "batch_step_ms": batch.step_ms,
-                    "batch_tokens": max(batch.tokens, default=0)})
+                    "batch_tokens": max(batch.tokens, default=0)}, owner=job.owner)
                 sides = [(True, 0, greedy.texts[0], greedy.tokens[0], greedy.ms)]
                 sides += [(False, j, t, batch.tokens[j], batch.ms) for j, t in enumerate(batch.texts)]
                 checks += [asyncio.create_task(self._check(job, problem, *side)) for side in sides]
@@ -323,13 +335,15 @@ class JobManager:
         self.store.add_sample_results(job.id, [{
             "problem_id": problem.task_id, "greedy": greedy, "sample_index": index, "status": status,
             "error": error or None, "runtime_s": seconds, "completion_tokens": tokens, "generation_ms": ms,
-            "code": ex.code or text}])
+            "code": ex.code or text}], owner=job.owner)
         job.checked += 1
 
     def _finish(self, job: _Job) -> None:
-        run = self.store.get_comparison(job.id)
+        run = self.store.get_comparison(job.id, owner=job.owner)
+        if run is None:  # the owner deleted the session (and the run with it) meanwhile
+            return
         summary = summarize(run)
-        self.store.set_passk(job.id, summary["passk"], greedy_pass1=summary["greedy_pass1"],
+        self.store.set_passk(job.id, summary["passk"], owner=job.owner, greedy_pass1=summary["greedy_pass1"],
                              greedy_seconds=summary["greedy_seconds"], sampled_seconds=summary["sampled_seconds"])
 
 

@@ -9,7 +9,7 @@ import html
 import gradio as gr
 
 from laneplay.app.checks import SandboxMissing, sandbox_status
-from laneplay.app.context import AppContext, owner_of
+from laneplay.app.context import AppContext
 from laneplay.app.jobs import MAX_RUN_PROBLEMS, N_CHOICES, Busy, RunConfig, RunInputError
 from laneplay.app.passn_view import chart_svg, compare_html, detail_box, grid_html, label, progress_html, table_html
 from laneplay.evals.problems import ProblemError, humaneval, select, user_problem
@@ -165,7 +165,7 @@ def build(ctx: AppContext, session_id: gr.State, pg: dict) -> dict:
 
     def render(run_id, owner, last_key=""):
         """(progress, grid, table, chart, key) of a run this owner may see; unchanged parts as updates."""
-        run = ctx.store.get_comparison(run_id) if run_id and ctx.store.owns_comparison(run_id, owner) else None
+        run = ctx.store.get_comparison(run_id, owner=owner) if run_id else None
         if run is None:
             return progress_html(None), grid_html(None, ""), table_html(None), chart_svg([]), ""
         key = f"{run['id']}:{run['status']}:{len(run['results'])}:{len(run.get('timing') or {})}"
@@ -175,7 +175,7 @@ def build(ctx: AppContext, session_id: gr.State, pg: dict) -> dict:
         return prog, grid_html(run, f"/api/runs/{run['id']}/sample"), table_html(run), chart_svg([run]), key
 
     async def start(src, spec, prompt, tests, n_v, t_v, p_v, mt_v, seed_v, mode_v, sid, request: gr.Request):
-        owner = owner_of(request)
+        owner = ctx.owner_of(request)
         keep = (gr.update(),) * 6
         if owner is None:
             return (gr.update(), sid, message_html("This browser has no session cookie; reload the page.")) + keep
@@ -183,6 +183,7 @@ def build(ctx: AppContext, session_id: gr.State, pg: dict) -> dict:
             config = config_of(n_v, t_v, p_v, mt_v, seed_v, mode_v)
             chosen, problem_set = chosen_problems(src, spec, prompt, tests)
             info = ctx.engine.info or {}
+            ctx.jobs.admit(owner, ctx.address_of(request))  # before a session is made for the run
             if not sid or not ctx.store.owns(sid, owner):
                 what = chosen[0].task_id if len(chosen) == 1 else f"{len(chosen)} {problem_set} problems"
                 sid = ctx.store.create_session(
@@ -190,14 +191,15 @@ def build(ctx: AppContext, session_id: gr.State, pg: dict) -> dict:
                     model=str(info.get("model") or "")[:200], device=str(info.get("device") or "")[:32],
                     world_size=max(1, min(int(info.get("world_size") or 1), 8)))
             run_id = await ctx.jobs.start(owner=owner, session_id=sid, problems=chosen, problem_set=problem_set,
-                                          config=config, model=str(info.get("model") or ""))
+                                          config=config, model=str(info.get("model") or ""),
+                                          address=ctx.address_of(request))
         except (RunInputError, Busy, SandboxMissing, ValidationError) as e:
             return (gr.update(), sid, message_html(str(e))) + keep
         prog, g, t, c, key = render(run_id, owner)
         return run_id, sid, message_html(""), prog, g, t, c, key, run_list(owner)
 
     def cancel(run_id, request: gr.Request):
-        if run_id and ctx.jobs.cancel(run_id, owner_of(request)):
+        if run_id and ctx.jobs.cancel(run_id, ctx.owner_of(request)):
             return message_html("Cancelling: the run stops after the request in flight; what finished is kept.",
                                 kind="notice")
         return message_html("No run of yours is going here.", kind="notice")
@@ -215,13 +217,13 @@ def build(ctx: AppContext, session_id: gr.State, pg: dict) -> dict:
         the run has just ended (its status shows there)."""
         if not run_id:
             return (gr.update(),) * 4 + (last_key, gr.update())
-        owner = owner_of(request)
+        owner = ctx.owner_of(request)
         out = render(run_id, owner, last_key)
         ended = out[-1] != last_key and out[-1].split(":")[1] not in ACTIVE if out[-1] else False
         return out + (run_list(owner) if ended else gr.update(),)
 
     def open_run(chosen, request: gr.Request):
-        owner = owner_of(request)
+        owner = ctx.owner_of(request)
         chosen = [c for c in (chosen or []) if ctx.store.owns_comparison(c, owner)]
         if len(chosen) != 1:
             return (gr.update(), message_html("Pick exactly one of your runs to open it.", kind="notice")) + \
@@ -230,8 +232,8 @@ def build(ctx: AppContext, session_id: gr.State, pg: dict) -> dict:
         return chosen[0], message_html(""), prog, g, t, c, key
 
     def compare(chosen, request: gr.Request):
-        owner = owner_of(request)
-        picked = [ctx.store.get_comparison(c) for c in (chosen or []) if ctx.store.owns_comparison(c, owner)]
+        owner = ctx.owner_of(request)
+        picked = [ctx.store.get_comparison(c, owner=owner) for c in (chosen or [])]
         picked = [r for r in picked if r is not None]
         if len(picked) < 2:
             return message_html("Pick two or more runs to compare.", kind="notice"), gr.update(), gr.update()
@@ -259,14 +261,14 @@ def build(ctx: AppContext, session_id: gr.State, pg: dict) -> dict:
 
     def on_load(request: gr.Request):
         """A reloaded page shows the browser's run that is still going (its progress is in the database)."""
-        owner = owner_of(request)
+        owner = ctx.owner_of(request)
         active = next((r["id"] for r in ctx.store.list_comparisons(limit=20, owner=owner) if r["status"] in ACTIVE),
                       None) if owner else None
         prog, g, t, c, key = render(active, owner)
         return active, prog, g, t, c, key, run_list(owner)
 
     def refresh_runs(request: gr.Request):
-        return run_list(owner_of(request))
+        return run_list(ctx.owner_of(request))
 
     return {"current": current, "runs": runs, "run_list": run_list, "refresh_runs": refresh_runs, "render": render,
             "on_load": on_load,

@@ -11,9 +11,10 @@ from dataclasses import asdict
 import gradio as gr
 
 from laneplay.app.client import EngineError, StreamTimer
-from laneplay.app.context import (AppContext, InputError, check_texts, owner_of, request_body, sampling)
+from laneplay.app.context import AppContext, InputError, check_texts, request_body, sampling
+from laneplay.app.quota import Limited
 from laneplay.app.meter import MeterData, render
-from laneplay.storage import ValidationError
+from laneplay.storage import NotFound, ValidationError
 
 UPDATE_EVERY_S = 0.1  # at most ten page updates a second while tokens stream
 ENGINE_WAIT_S = 600.0  # Generate waits this long for a loading engine before giving up
@@ -78,8 +79,20 @@ async def stream_to(ctx: AppContext, body: dict, chat: bool, put) -> None:
     await put(None)
 
 
-def _page_key(request) -> str:
-    return getattr(request, "session_hash", None) or str(id(request))
+def page_key(ctx: AppContext, request) -> tuple[str | None, str]:
+    """Whose page this is: (owner, Gradio session). Stop and supersede go by both, so a request that
+    reuses another browser's page id reaches nothing of that browser's."""
+    return ctx.owner_of(request), getattr(request, "session_hash", None) or str(id(request))
+
+
+def admit_generation(ctx: AppContext, request) -> str:
+    """The owner of a Generate that may go ahead; InputError (the page's message) for no cookie, Limited
+    past the quota."""
+    owner = ctx.owner_of(request)
+    if owner is None:
+        raise InputError("This browser has no valid session cookie; reload the page.")
+    ctx.quota.generation(owner, ctx.address_of(request))
+    return owner
 
 
 def session_title(code: str, instruction: str) -> str:
@@ -129,22 +142,17 @@ def build(ctx: AppContext, session_id: gr.State) -> dict:
     last = gr.State({})  # the last meter record of this page (the Stop button renders it as stopped)
 
     async def run(code_text, instruction_text, mode_value, temp, tp, tk, mt, sd, stop_text, sid, request: gr.Request):
-        owner = owner_of(request)
         text = ""
         # Validate everything first: a bad value is a message, nothing stored, nothing sent.
         try:
             code_text, instruction_text = check_texts(code_text, instruction_text, mode_value)
             params = sampling(temp, tp, tk, mt, sd, stop_text)
-        except InputError as e:
-            bad = MeterData(state="error", note="invalid input")
+            owner = admit_generation(ctx, request)
+        except (InputError, Limited) as e:
+            bad = MeterData(state="error", note="limited" if isinstance(e, Limited) else "invalid input")
             yield text, render(bad), error_html(str(e)), sid, False, asdict(bad)
             return
-        if owner is None:
-            bad = MeterData(state="error", note="no cookie")
-            yield text, render(bad), error_html("This browser has no session cookie; reload the page."), sid, \
-                False, asdict(bad)
-            return
-        page = _page_key(request)
+        page = page_key(ctx, request)
         me = next(generation_ids)
         current[page] = me  # a generation still running in this page sees it is superseded and ends quietly
         async with aclosing(_run(code_text, instruction_text, mode_value, params, sid, owner, (page, me))) as updates:
@@ -263,18 +271,18 @@ def build(ctx: AppContext, session_id: gr.State) -> dict:
 
     def stop_now(request: gr.Request):
         """Stop: the running generation of this page ends at once and says so (see `_run`)."""
-        current.pop(_page_key(request), None)
+        current.pop(page_key(ctx, request), None)
 
     stop.click(stop_now, None, None, api_name="stop", show_progress="hidden", queue=False)
     insert.click(lambda out, cur: out if out.strip() else cur, [output, code], [code], api_name="insert", show_progress="hidden")
 
     def make_share(sid, request: gr.Request):
-        owner = owner_of(request)
+        owner = ctx.owner_of(request)
         if not sid or not ctx.store.owns(sid, owner):
             return "", error_html("Generate something first: a share link freezes this session as it is now.")
         try:
-            token, _ = ctx.store.share_session(sid)
-        except ValidationError as e:
+            token, _ = ctx.store.share_session(sid, owner=owner)
+        except (ValidationError, NotFound) as e:
             return "", error_html(str(e))
         base = str(request.request.base_url).rstrip("/")
         url = f"{base}/s/{token}"
@@ -330,5 +338,5 @@ def save_batch(ctx, sid, owner, code_text, instruction_text, info, records: list
         sid = ctx.store.create_session(title=session_title(code_text, instruction_text), owner=owner,
                                        **{"params": {}, **fields})
     else:
-        ctx.store.update_session(sid, **fields)
-    return sid, ctx.store.add_generations(sid, records)
+        ctx.store.update_session(sid, owner=owner, **fields)
+    return sid, ctx.store.add_generations(sid, records, owner=owner)

@@ -26,7 +26,8 @@ import gradio as gr
 from laneplay.app import playground
 from laneplay.app.checks import SandboxMissing, check_code, sandbox_status
 from laneplay.app.client import EngineError, StreamEvent, StreamTimer
-from laneplay.app.context import AppContext, InputError, check_texts, owner_of, request_body, sampling
+from laneplay.app.context import AppContext, InputError, check_texts, request_body, sampling
+from laneplay.app.quota import Limited
 from laneplay.app.meter import MeterData, render
 from laneplay.evals.problems import Problem, ProblemError, user_problem
 from laneplay.evals.prompting import extract_code, extract_completion
@@ -469,19 +470,17 @@ def build(ctx: AppContext, session_id: gr.State, pg: dict, tabs: gr.Tabs) -> dic
 
     async def run(request: gr.Request, code_text, instruction_text, mode_value, n_value, mt, stop_text, *rest):
         temps, top_ps, top_ks, seeds, sid = rest[0:4], rest[4:8], rest[8:12], rest[12:16], rest[16]
-        owner = owner_of(request)
         try:
             n = column_count(n_value)
             code_text, instruction_text = check_texts(code_text, instruction_text, mode_value)
             shared, col_settings = settings(n, temps, top_ps, top_ks, seeds, mt, stop_text)
-            if owner is None:
-                raise InputError("This browser has no session cookie; reload the page.")
-        except InputError as e:  # a message; nothing sent, nothing stored
+            owner = playground.admit_generation(ctx, request)
+        except (InputError, Limited) as e:  # a message; nothing sent, nothing stored
             n = column_count(n_value) if str(n_value) in COLUMN_CHOICES else MAX_COLUMNS
             bad = [Column({}, meter=MeterData(state="error", note="invalid input")) for _ in range(n)]
             yield frame(bad, n, str(e), sid=sid)
             return
-        page = playground._page_key(request)
+        page = playground.page_key(ctx, request)
         me = next(run_ids)
         current[page] = me  # an earlier run of this page sees it is superseded and ends
         columns = [Column(s) for s in col_settings]
@@ -545,7 +544,7 @@ def build(ctx: AppContext, session_id: gr.State, pg: dict, tabs: gr.Tabs) -> dic
                    concurrency_limit=None, api_name="side_by_side", show_progress="hidden", trigger_mode="multiple")
 
     def stop_now(request: gr.Request):
-        current.pop(playground._page_key(request), None)
+        current.pop(playground.page_key(ctx, request), None)
 
     stop.click(stop_now, None, None, api_name="side_by_side_stop", show_progress="hidden", queue=False)
 
@@ -565,6 +564,11 @@ def build(ctx: AppContext, session_id: gr.State, pg: dict, tabs: gr.Tabs) -> dic
         async def run_tests(request: gr.Request, text, runs, tests_text, entry_text):
             """The column's code against the tests, in the sandbox; the outcome is stored with the generation."""
             runs = runs or {}
+            owner = ctx.owner_of(request)
+            if owner is None:
+                yield result_html(i, "invalid", "This browser has no valid session cookie; reload the page. "
+                                                "Nothing ran.")
+                return
             if not (text or "").strip() or i >= runs.get("n", 0):
                 yield result_html(i, "invalid", f"Generate first: column {i + 1} has no output to test.")
                 return
@@ -577,17 +581,22 @@ def build(ctx: AppContext, session_id: gr.State, pg: dict, tabs: gr.Tabs) -> dic
             if not code.strip():
                 yield result_html(i, "invalid", f"No code found in column {i + 1}; nothing ran.")
                 return
-            yield result_html(i, "running", f"Running {problem.entry_point}() against the tests in the sandbox…")
             try:
-                out = await check_code(problem, code, timeout_s=TEST_TIMEOUT_S)
+                with ctx.quota.sandbox_run(owner, ctx.address_of(request)):
+                    yield result_html(i, "running", f"Running {problem.entry_point}() against the tests in the "
+                                                    "sandbox…")
+                    out = await check_code(problem, code, timeout_s=TEST_TIMEOUT_S)
+            except Limited as e:
+                yield result_html(i, "invalid", f"{e} Nothing ran.")
+                return
             except SandboxMissing as e:
                 yield result_html(i, "unavailable", str(e))
                 return
             note = f" · {out.seconds:.2f} s" + (f" · {'; '.join(warnings)}" if warnings else "")
             sid, batch = runs.get("sid"), runs.get("batch")
-            if sid and batch and ctx.store.owns(sid, owner_of(request)):
+            if sid and batch and ctx.store.owns(sid, owner):
                 try:
-                    ctx.store.set_generation_test(sid, batch, i, out.status, out.error or None)
+                    ctx.store.set_generation_test(sid, batch, i, out.status, out.error or None, owner=owner)
                 except (NotFound, ValidationError) as e:
                     note += f" · not stored: {e}"
             yield result_html(i, out.status, f"{problem.entry_point}(){note}", out.error)

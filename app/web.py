@@ -3,15 +3,20 @@
 Routes: `/` the UI (tabs Playground, Side by side, pass@N, DTP and History), `/s/<token>` a read-only
 share page and `/s/<token>/fork` (POST) to copy it into the viewer's own session, `/api/status` the
 engine's state as JSON, `/api/runs/<id>/sample` one checked sample of this browser's pass@N run (and
-`/s/<token>/runs/<n>/sample` of a shared one), `/static/lp/...` our CSS and JS. Every response carries the browser's owner cookie (random,
-HttpOnly, SameSite=Lax), which is what History and ownership checks go by.
+`/s/<token>/runs/<n>/sample` of a shared one), `/static/lp/...` our CSS and JS.
+
+A browser is its owner cookie (`app.owners`: a random id this server signed; HttpOnly, SameSite=Lax,
+Secure over HTTPS). Every page load that comes without a valid one gets a new one, never adopting a value
+the server did not sign; everything of a session, run or link is answered only to its owner.
 """
 from __future__ import annotations
 
+import asyncio
 import html
 import json
 import logging
 import os
+import re
 from contextlib import asynccontextmanager
 from importlib import resources
 
@@ -23,12 +28,15 @@ from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse  # no
 from fastapi.staticfiles import StaticFiles  # noqa: E402
 
 from laneplay.app import dtpview, history, passn, passn_view, playground, sidebyside  # noqa: E402
-from laneplay.app.context import OWNER_COOKIE, AppContext, new_owner_id, owner_of  # noqa: E402
+from laneplay.app import owners, pages  # noqa: E402
+from laneplay.app.context import AppContext  # noqa: E402
 from laneplay.app.meter import MeterData, render  # noqa: E402
-from laneplay.storage import share  # noqa: E402
+from laneplay.app.quota import Limited  # noqa: E402
+from laneplay.storage import LimitReached, share  # noqa: E402
 
 log = logging.getLogger("laneplay.app")
 STATIC_URL = "/static/lp"  # Gradio owns /static itself
+GRADIO_API = "/gradio_api/"
 NOT_FOUND = "This link does not exist or was revoked"
 SHARE_HEADERS = {"Cache-Control": "no-store", "Referrer-Policy": "no-referrer", "X-Content-Type-Options": "nosniff",
                  "X-Frame-Options": "DENY"}
@@ -61,9 +69,10 @@ def build_ui(ctx: AppContext) -> gr.Blocks:
         dtp_tab.select(dv["refresh"], None, dv["refresh_outputs"], show_progress="hidden")
 
         def on_load(request: gr.Request):
-            """A fork lands on /?session=<id>: open it when this browser owns it."""
+            """A fork lands on /?session=<id>: open it when this browser owns it (the page then takes the id
+            out of its address bar, see CLEAN_URL)."""
             sid = dict(request.query_params).get("session")
-            s = ctx.store.get_session(sid, owner=owner_of(request)) if sid else None
+            s = ctx.store.get_session(sid, owner=ctx.owner_of(request)) if sid else None
             if s is None:
                 return None, gr.update(), gr.update(), gr.update(), playground.idle_meter(ctx), {}
             record = history.stored_meter(s, "forked") or {}
@@ -72,7 +81,7 @@ def build_ui(ctx: AppContext) -> gr.Blocks:
             return sid, s["code"], s["instruction"], text, meter, record
 
         demo.load(on_load, None, [session_id, pg["code"], pg["instruction"], pg["output"], pg["meter"], pg["last"]],
-                  show_progress="hidden")
+                  show_progress="hidden").then(None, None, None, js=CLEAN_URL)
         demo.load(pn["on_load"], None, pn["load_outputs"], show_progress="hidden")
     demo.queue(default_concurrency_limit=None, max_size=256)
     return demo
@@ -83,21 +92,70 @@ def create_app(ctx: AppContext) -> FastAPI:
     if interrupted:
         log.warning("%d pass@N run(s) of a previous server were left unfinished; marked interrupted", interrupted)
 
+    demo = build_ui(ctx)
+    reaper = pages.PageReaper(demo)
+
     @asynccontextmanager
     async def lifespan(_app):
+        sweeper = asyncio.create_task(reaper.run(), name="page sweeper")
         yield
+        sweeper.cancel()
         await ctx.jobs.shutdown()  # running jobs end as interrupted, with what they finished
 
     app = FastAPI(title="Laneplay", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.reaper = reaper
 
     @app.middleware("http")
     async def owner_cookie(request: Request, call_next):
-        """Every browser gets a random owner id on its first visit; sessions are listed by it."""
+        """A page load without a cookie this server signed gets a new owner id (a made-up or edited cookie
+        is replaced, never adopted); one signed with an older key is re-signed, same owner. Pages say no
+        referrer, so an address with a session id never leaves in a Referer header."""
         response = await call_next(request)
-        if owner_of(request) is None and response.headers.get("content-type", "").startswith("text/html"):
-            response.set_cookie(OWNER_COOKIE, new_owner_id(), max_age=400 * 24 * 3600, httponly=True,
-                                samesite="lax", path="/")
+        if response.headers.get("content-type", "").startswith("text/html"):
+            response.headers.setdefault("Referrer-Policy", "no-referrer")
+            owner, current = ctx.owners.read(request.cookies.get(owners.COOKIE))
+            if owner is None or not current:
+                set_owner_cookie(request, response, ctx.owners.issue(owner)[1])
         return response
+
+    page_owners = pages.PageOwners()
+    generating = {i for i, fn in demo.fns.items() if fn.api_name in GENERATING}
+
+    @app.middleware("http")
+    async def page_owner(request: Request, call_next):
+        """Gradio's API, guarded per page. A page id belongs to the browser that first used it: naming another
+        browser's page (its events, states, stream, heartbeat) is a 403. A Generate from a script (a page
+        with no heartbeat) over the quota is a 429 before Gradio holds a page for it; a browser page is
+        answered in the page (#error). An address opens new pages at a bounded rate (429 past it)."""
+        if not request.url.path.startswith(GRADIO_API):
+            return await call_next(request)
+        body = None
+        if request.method == "POST" and request.headers.get("content-type", "").startswith("application/json") \
+                and int(request.headers.get("content-length") or 0) <= 4 * 2**20:
+            try:
+                body = json.loads(await request.body() or b"null")
+            except ValueError:
+                body = None
+        owner, address = ctx.owner_of(request), ctx.address_of(request)
+        named = pages.page_ids(request.url.path, dict(request.query_params), body)
+        fresh = [p for p in named if not page_owners.seen(p)]
+        for page in named:
+            if not page_owners.admit(page, owner):
+                return JSONResponse({"error": "This page belongs to another browser. Reload the page."},
+                                    status_code=403, headers={"Cache-Control": "no-store"})
+        try:
+            if owner and not any(p in reaper.heartbeats for p in named) and \
+                    calls_generation(request.url.path, body, generating):
+                ctx.quota.generation(owner, address, take=False)
+            if fresh:
+                ctx.quota.new_page(address)
+        except Limited as e:
+            return JSONResponse({"error": str(e)}, status_code=429,
+                                headers={"Retry-After": str(int(e.retry_after_s)), "Cache-Control": "no-store"})
+        beating = pages.heartbeat_page(request.url.path)
+        if beating:
+            reaper.heartbeats.add(beating)  # a browser page: its state stays while the heartbeat is open
+        return await call_next(request)
 
     @app.get("/api/status")
     async def status():
@@ -113,9 +171,10 @@ def create_app(ctx: AppContext) -> FastAPI:
     @app.get("/api/runs/{run_id}/sample")
     async def run_sample(run_id: str, request: Request, problem: str = "", greedy: int = 0, index: int = 0):
         """A sample of one of this browser's runs (the grid's cells); nobody else's."""
-        if not ctx.store.owns_comparison(run_id, owner_of(request)):
+        run = ctx.store.get_comparison(run_id, owner=ctx.owner_of(request))
+        if run is None:
             return JSONResponse({"error": "not found"}, status_code=404, headers=SHARE_HEADERS)
-        rec = sample_record(ctx.store.get_comparison(run_id), problem, greedy, index)
+        rec = sample_record(run, problem, greedy, index)
         return JSONResponse(rec or {"error": "not found"}, status_code=200 if rec else 404, headers=SHARE_HEADERS)
 
     @app.get("/s/{token}/runs/{position}/sample")
@@ -129,25 +188,60 @@ def create_app(ctx: AppContext) -> FastAPI:
 
     @app.post("/s/{token}/fork")
     async def fork(token: str, request: Request):
-        owner = owner_of(request)
-        new_cookie = None
-        if owner is None:  # a browser that came straight to the POST: give it an owner id now
-            owner = new_cookie = new_owner_id()
-        sid = ctx.store.fork_shared(token, owner=owner)
+        owner, new_cookie = ctx.owner_of(request), None
+        if owner is None:  # a browser that came straight to the POST (or with a cookie we never signed)
+            owner, new_cookie = ctx.owners.issue()
+        try:
+            ctx.quota.fork(ctx.address_of(request))
+            sid = ctx.store.fork_shared(token, owner=owner)
+        except Limited as e:
+            return limited_page(str(e), e.retry_after_s)
+        except LimitReached as e:
+            return limited_page(f"Not forked: {str(e).removeprefix('owner: ')}.", 60)
         if sid is None:
             return HTMLResponse(not_found_page(), status_code=404, headers=SHARE_HEADERS)
-        response = RedirectResponse(f"/?session={sid}", status_code=303, headers={"Cache-Control": "no-store"})
+        response = RedirectResponse(f"/?session={sid}", status_code=303,
+                                    headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})
         if new_cookie:
-            response.set_cookie(OWNER_COOKIE, new_cookie, max_age=400 * 24 * 3600, httponly=True, samesite="lax",
-                                path="/")
+            set_owner_cookie(request, response, new_cookie)
         return response
 
     app.mount(STATIC_URL, StaticFiles(directory=static_dir()), name="laneplay-static")
     head = (f'<link rel="stylesheet" href="{STATIC_URL}/laneplay.css">'
             f'<link rel="stylesheet" href="{STATIC_URL}/passn.css">'
             f'<script src="{STATIC_URL}/meter.js" defer></script><script src="{STATIC_URL}/passn.js" defer></script>')
-    return gr.mount_gradio_app(app, build_ui(ctx), path="/", head=head, theme=THEME, footer_links=[],
+    return gr.mount_gradio_app(app, demo, path="/", head=head, theme=THEME, footer_links=[],
                                css=".lp-title{font-size:18px;padding:2px 0}")
+
+
+GENERATING = ("generate", "side_by_side", "dtp_ab")  # the events that take a Generate from the quota
+_BY_NAME = re.compile(r"/(?:run|call|api)(?:/v2)?/(" + "|".join(GENERATING) + r")/?$")
+
+
+def calls_generation(path: str, body: object, fn_indices: set[int]) -> bool:
+    """Does this Gradio request start one of the GENERATING events (by index, or by its API name)?"""
+    if isinstance(body, dict) and body.get("fn_index") in fn_indices:
+        return True
+    return bool(_BY_NAME.search(path))
+
+
+def set_owner_cookie(request: Request, response, value: str) -> None:
+    response.set_cookie(owners.COOKIE, value, max_age=owners.MAX_AGE_S, httponly=True, samesite="lax", path="/",
+                        secure=request.url.scheme == "https")
+
+
+def limited_page(message: str, retry_after_s: float) -> HTMLResponse:
+    """429: what was limited and when to try again (the page says it; Retry-After says it to programs)."""
+    return HTMLResponse(_page("Too many requests · Laneplay", f"<h1>Too many requests</h1><p id='limited'>"
+                                                              f"{html.escape(message)}</p><p><a href='/'>Back to "
+                                                              "the Laneplay playground</a></p>"),
+                        status_code=429, headers={**SHARE_HEADERS, "Retry-After": str(int(retry_after_s))})
+
+
+# After a fork opened its session, the address bar drops the session id (it would travel in screenshots
+# and chats); a reload then starts a fresh page, and History has the session.
+CLEAN_URL = ("() => { const u = new URL(window.location.href); if (u.searchParams.has('session')) { "
+             "u.searchParams.delete('session'); window.history.replaceState(null, '', u.pathname + u.search + u.hash); } }")
 
 
 # ---- the share page (plain HTML: no Gradio, nothing to load but our stylesheet and script) -------------

@@ -137,11 +137,12 @@ class Recorder:
         return self.batches[(record.task_id, record.kind)].samples[record.index]
 
     def _store(self, task_id: str) -> None:
+        from laneplay.storage import OPERATOR  # `laneplay eval` is the operator's tool: its runs are nobody's
         records = sorted(self.records[task_id], key=lambda r: (r.kind != "greedy", r.index))
         self.store.add_sample_results(self.comparison_id, [
             {"problem_id": task_id, "greedy": r.kind == "greedy", "sample_index": r.index, "status": r.status,
              "error": r.error or None, "runtime_s": r.seconds, "completion_tokens": self._timing(r).completion_tokens,
-             "generation_ms": self._timing(r).generation_ms} for r in records])
+             "generation_ms": self._timing(r).generation_ms} for r in records], owner=OPERATOR)
         with open(self.samples_path, "a", encoding="utf-8") as f:
             for r in records:
                 f.write(json.dumps({**asdict(r), **asdict(self._timing(r))}) + "\n")
@@ -197,7 +198,7 @@ def run(args) -> int:
     from laneplay.evals.sandbox import SandboxUnavailable, require_sandbox
     from sqlalchemy.engine import make_url
 
-    from laneplay.storage import Store, ValidationError
+    from laneplay.storage import OPERATOR, Store, ValidationError
 
     try:
         config = _config(args)
@@ -224,7 +225,7 @@ def run(args) -> int:
             comparison_id = store.create_comparison(  # n = 0: a greedy-only run
                 problem_set=_problem_set_name(args.problems), problem_ids=[p.task_id for p in problems],
                 n=config.n_samples, temperature=config.temperature, greedy=config.greedy,
-                model=model_name[:200])
+                model=model_name[:200], owner=OPERATOR)
         except ValidationError as e:
             return _fail(f"cannot store this run: {e}")
         out = _out_dir(args.out)
@@ -244,7 +245,7 @@ def run(args) -> int:
             return 1
 
         latency = recorder.latency()
-        store.set_passk(comparison_id, result.pass_at, greedy_pass1=result.greedy_pass_at_1,
+        store.set_passk(comparison_id, result.pass_at, owner=OPERATOR, greedy_pass1=result.greedy_pass_at_1,
                         greedy_seconds=latency.get("greedy", {}).get("seconds"),
                         sampled_seconds=latency.get("sample", {}).get("seconds"))
         summary = {**result.summary(), "comparison_id": comparison_id,

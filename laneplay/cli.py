@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("laneplay.bench.cli", "the benchmarks (printed tables + JSON in bench/results/)"),
     "perfmodel": ("laneplay.bench.perfmodel", "batch-1 decode performance model: standard TP vs DTP on a GPU node"),
     "db": ("laneplay.storage.cli", "database maintenance (`laneplay db upgrade`)"),
+    "secret": ("laneplay.app.secret_cli", "the keys that sign owner cookies (`laneplay secret rotate`)"),
 }
 
 

@@ -12,6 +12,7 @@ MAX_WORLD_SIZE = 8                   # DTP ranks: one node, up to 8 GPUs
 MAX_COLUMNS = 4                      # side-by-side columns
 MAX_CODE_CHARS = 64 * 1024           # editor contents
 MAX_INSTRUCTION_CHARS = 16 * 1024
+MAX_SESSIONS_PER_OWNER = 500         # one browser's History; past it a new session is refused
 MAX_SESSIONS_LISTED = 500            # list_sessions / list_comparisons page size
 
 # Sampling parameters (a session's `params`)

@@ -1,5 +1,12 @@
 """The repository API: every read and write the app and `laneplay eval` make.
 
+Deny by default: every read and write that concerns a session, a pass@N run (comparison) or a share link
+takes an `owner` keyword and refuses without one. An owner is a browser's owner id (the random id its
+signed cookie carries; only its SHA-256 is stored), or `OPERATOR`: the operator's own tools on this
+machine (`laneplay eval`, maintenance), which reach every row and must say so. "No owner" is never "any
+owner": a read for None, a malformed id or another owner answers as if the row did not exist (None, [],
+False), and a write raises `NotFound`. The one owner-less read is a share link's snapshot, by its token.
+
 Each public write is one transaction (all rows or none) that starts with validation: bad input raises
 `ValidationError` before anything is written; a write naming an unknown session or comparison raises
 `NotFound`. Reads return plain dicts (JSON-ready, detached from the database) or None.
@@ -19,9 +26,20 @@ from laneplay.storage import validate as v
 from laneplay.storage.db import WRITE, database_url, make_engine, upgrade_engine
 from laneplay.storage.models import (GENERATION_KINDS, RUN_STATUSES, STATUSES, Comparison, Generation, PassK,
                                      PlaySession, SampleResult, ShareLink, is_id, iso, new_id, utcnow)
-from laneplay.storage.validate import NotFound, ValidationError
+from laneplay.storage.validate import LimitReached, NotFound, ValidationError
 
 LINK_KEY_CHARS = 24  # a share link's key in list_shares / revoke_link: a prefix of its token's SHA-256
+class _Operator:
+    """The operator's own tools (`laneplay eval`, scripts on the server): every row, explicitly."""
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "OPERATOR"
+
+
+OPERATOR = _Operator()
+_DENIED = object()  # the scope of a missing or malformed owner: matches no row
+
 SESSION_FIELDS = ("title", "model", "device", "world_size", "columns", "code", "instruction", "params")
 
 
@@ -46,6 +64,20 @@ def _owner_hash(owner: Any) -> str:
     """The stored form of an owner id (the random id a browser keeps in its cookie): its SHA-256."""
     owner = v.text("owner", owner, "MAX_OWNER_CHARS", min_chars=limits.MIN_OWNER_CHARS)
     return share.digest(owner)
+
+
+def _scope(owner: Any) -> Any:
+    """OPERATOR, an owner's digest, or _DENIED (None, malformed: never any row)."""
+    if owner is OPERATOR:
+        return OPERATOR
+    try:
+        return _owner_hash(owner)
+    except ValidationError:
+        return _DENIED
+
+
+def _allows(scope: Any, owner_hash: str | None) -> bool:
+    return scope is OPERATOR or (scope is not _DENIED and owner_hash is not None and owner_hash == scope)
 
 
 def _excerpt(field: str, value: Any) -> str | None:
@@ -210,44 +242,71 @@ class Store:
             yield s
 
     @staticmethod
-    def _session(s: Session, session_id: Any) -> PlaySession:
+    def _session(s: Session, session_id: Any, owner: Any) -> PlaySession:
+        """The session if `owner` may reach it; NotFound otherwise (the same answer as an unknown id)."""
         row = s.get(PlaySession, session_id) if is_id(session_id) else None
-        if row is None:
+        if row is None or not _allows(_scope(owner), row.owner_hash):
             raise NotFound("session not found")
         return row
 
     @staticmethod
-    def _comparison(s: Session, comparison_id: Any) -> Comparison:
+    def _comparison(s: Session, comparison_id: Any, owner: Any) -> Comparison:
+        """The run if `owner` may reach it (it belongs to one of its sessions; standalone runs of
+        `laneplay eval` are the operator's); NotFound otherwise."""
         row = s.get(Comparison, comparison_id) if is_id(comparison_id) else None
+        scope = _scope(owner)
+        if row is not None and scope is not OPERATOR:
+            holder = None if row.session_id is None else s.get(PlaySession, row.session_id)
+            if holder is None or not _allows(scope, holder.owner_hash):
+                row = None
         if row is None:
             raise NotFound("comparison not found")
         return row
+
+    @staticmethod
+    def _creator(owner: Any) -> str | None:
+        """The owner_hash a new session gets: the owner's digest (None for OPERATOR: nobody's but the
+        operator's). Without an owner nothing is created."""
+        if owner is OPERATOR:
+            return None
+        if owner is None:
+            raise ValidationError("owner: required (a browser's owner id, or OPERATOR for the operator's tools)")
+        return _owner_hash(owner)
+
+    @staticmethod
+    def _check_session_room(s: Session, owner_hash: str | None) -> None:
+        if owner_hash is None:
+            return
+        held = s.scalar(select(func.count()).where(PlaySession.owner_hash == owner_hash))
+        if held >= limits.MAX_SESSIONS_PER_OWNER:
+            raise LimitReached(f"owner: you already have {held} sessions, the limit of {limits.MAX_SESSIONS_PER_OWNER} "
+                               "(MAX_SESSIONS_PER_OWNER); delete some in History first")
 
     # -- sessions ---------------------------------------------------------------------------------
 
     def create_session(self, *, title: str = "", model: str = "", device: str = "", world_size: int = 1,
                        columns: int = 1, code: str = "", instruction: str = "",
-                       params: Mapping[str, Any] | None = None, owner: str | None = None) -> str:
-        """A new session; `owner` (a browser's random owner id) makes it show in that owner's History."""
+                       params: Mapping[str, Any] | None = None, owner: Any) -> str:
+        """A new session in `owner`'s History (OPERATOR: a session of the operator's, in nobody's History).
+        An owner holds at most MAX_SESSIONS_PER_OWNER sessions (LimitReached past it)."""
         fields = _session_fields(dict(title=title, model=model, device=device, world_size=world_size,
                                       columns=columns, code=code, instruction=instruction, params=params))
-        owner_hash = None if owner is None else _owner_hash(owner)
+        owner_hash = self._creator(owner)
         with self._write() as s:
+            self._check_session_room(s, owner_hash)
             row = self._insert_session(s, fields)
             if owner_hash is not None:  # (left unset otherwise: older schemas have no such column)
                 row.owner_hash = owner_hash
             return row.id
 
-    def owns(self, session_id: str, owner: str | None) -> bool:
-        """Is `owner` the owner of this session? (False for unknown ids and malformed owners.)"""
-        if not is_id(session_id) or not isinstance(owner, str):
-            return False
-        try:
-            digest = _owner_hash(owner)
-        except ValidationError:
+    def owns(self, session_id: str, owner: Any) -> bool:
+        """May `owner` reach this session? (False for unknown ids, None and malformed owners.)"""
+        scope = _scope(owner)
+        if not is_id(session_id) or scope is _DENIED:
             return False
         with self._read() as s:
-            return s.scalar(select(PlaySession.owner_hash).where(PlaySession.id == session_id)) == digest
+            found = s.execute(select(PlaySession.owner_hash).where(PlaySession.id == session_id)).first()
+        return found is not None and _allows(scope, found[0])
 
     @staticmethod
     def _insert_session(s: Session, fields: dict[str, Any]) -> PlaySession:
@@ -256,31 +315,35 @@ class Store:
         s.add(row)
         return row
 
-    def get_session(self, session_id: str, owner: str | None = None) -> dict[str, Any] | None:
-        """The session with its generations and comparisons (with per-sample results). With `owner`:
-        None unless that owner owns it (the app always passes the browser's owner id)."""
-        if not is_id(session_id) or (owner is not None and not self.owns(session_id, owner)):
+    def get_session(self, session_id: str, *, owner: Any) -> dict[str, Any] | None:
+        """The session with its generations and comparisons (with per-sample results); None unless
+        `owner` may reach it."""
+        scope = _scope(owner)
+        if not is_id(session_id) or scope is _DENIED:
             return None
         with self._read() as s:
             row = s.get(PlaySession, session_id, options=[
                 selectinload(PlaySession.generations),
                 selectinload(PlaySession.comparisons).selectinload(Comparison.results),
                 selectinload(PlaySession.comparisons).selectinload(Comparison.passk)])
-            return None if row is None else row.to_dict()
+            return None if row is None or not _allows(scope, row.owner_hash) else row.to_dict()
 
-    def update_session(self, session_id: str, **fields: Any) -> None:
+    def update_session(self, session_id: str, *, owner: Any, **fields: Any) -> None:
         fields = _session_fields(fields)
         with self._write() as s:
-            row = self._session(s, session_id)
+            row = self._session(s, session_id, owner)
             for k, x in fields.items():
                 setattr(row, k, x)
             row.updated_at = utcnow()
 
-    def list_sessions(self, limit: int = 50, owner: str | None = None) -> list[dict[str, Any]]:
+    def list_sessions(self, limit: int = 50, *, owner: Any) -> list[dict[str, Any]]:
         """Summaries (no code, outputs or results), most recently updated first, each with the best
         decode tokens/s of its generations, its generation count and its live share links.
-        With `owner`: that owner's sessions only."""
+        Only `owner`'s sessions (every session for OPERATOR; none for None)."""
         limit = v.integer("limit", limit, 1, "MAX_SESSIONS_LISTED")
+        scope = _scope(owner)
+        if scope is _DENIED:
+            return []
         best = (select(Generation.session_id, func.max(Generation.decode_tokens_per_second).label("best"),
                        func.count().label("count")).group_by(Generation.session_id).subquery())
         links = (select(ShareLink.session_id, func.count().label("links")).group_by(ShareLink.session_id).subquery())
@@ -288,32 +351,32 @@ class Store:
                  .outerjoin(best, best.c.session_id == PlaySession.id)
                  .outerjoin(links, links.c.session_id == PlaySession.id)
                  .order_by(PlaySession.updated_at.desc()).limit(limit))
-        if owner is not None:
-            query = query.where(PlaySession.owner_hash == _owner_hash(owner))
+        if scope is not OPERATOR:
+            query = query.where(PlaySession.owner_hash == scope)
         with self._read() as s:
             return [{**row.summary(), "best_tokens_per_second": best_tps, "generations": count or 0,
                      "share_links": n_links or 0}
                     for row, best_tps, count, n_links in s.execute(query)]
 
-    def delete_session(self, session_id: str) -> bool:
-        """Deletes the session with everything hanging off it, its share links included."""
-        if not is_id(session_id):
+    def delete_session(self, session_id: str, *, owner: Any) -> bool:
+        """Deletes `owner`'s session with everything hanging off it, its share links included. False when
+        there is no such session of `owner`'s."""
+        try:
+            with self._write() as s:
+                s.delete(self._session(s, session_id, owner))
+        except NotFound:
             return False
-        with self._write() as s:
-            row = s.get(PlaySession, session_id)
-            if row is not None:
-                s.delete(row)
-            return row is not None
+        return True
 
     # -- generations ------------------------------------------------------------------------------
 
-    def add_generations(self, session_id: str, records: Sequence[Any]) -> int:
+    def add_generations(self, session_id: str, records: Sequence[Any], *, owner: Any) -> int:
         """Stores one batch (1..MAX_SAMPLES samples of one request); returns its batch number.
         A record is a mapping or object with `sample_index`, `text`, optional `seed`, `temperature`,
         `finish_reason` and the engine's metrics fields (flat, or nested under `metrics`)."""
         rows = _generation_batch(records)
         with self._write() as s:
-            return self._insert_generations(s, self._session(s, session_id), rows)
+            return self._insert_generations(s, self._session(s, session_id, owner), rows)
 
     @staticmethod
     def _insert_generations(s: Session, session: PlaySession, rows: list[dict[str, Any]],
@@ -334,45 +397,51 @@ class Store:
     def create_comparison(self, *, problem_set: str, problem_ids: Sequence[str], n: int, temperature: float,
                           greedy: bool = True, session_id: str | None = None, model: str = "",
                           tests: Sequence[str] | None = None, status: str = "running",
-                          settings: Mapping[str, Any] | None = None) -> str:
-        """A pass@N run over `problem_ids` of `problem_set`, attached to a session or standalone
-        (`laneplay eval`). Returns its id. It starts `running` (or `queued`); `set_passk` marks it done."""
+                          settings: Mapping[str, Any] | None = None, owner: Any) -> str:
+        """A pass@N run over `problem_ids` of `problem_set`, attached to one of `owner`'s sessions, or
+        standalone (`laneplay eval`: OPERATOR only). Returns its id. It starts `running` (or `queued`);
+        `set_passk` marks it done."""
         fields = _comparison_fields(problem_set, problem_ids, n, temperature, greedy, model, tests)
         fields["status"] = v.one_of("status", status, ("queued", "running"))
         fields["settings"] = _settings(settings)
+        if session_id is None and owner is not OPERATOR:
+            raise ValidationError("session_id: a run outside a session is the operator's (owner=OPERATOR)")
         with self._write() as s:
+            if session_id is not None:
+                self._session(s, session_id, owner)
             return self._insert_comparison(s, session_id, fields).id
 
-    def set_run_status(self, comparison_id: str, status: str, error: str | None = None) -> None:
+    def set_run_status(self, comparison_id: str, status: str, error: str | None = None, *, owner: Any) -> None:
         """Moves a run along: queued -> running -> done / cancelled / error / interrupted. A run that
         ended stays ended (a late "running" from a cancelled job changes nothing)."""
         status = v.one_of("status", status, RUN_STATUSES)
         error = _excerpt("error", error)
         with self._write() as s:
-            c = self._comparison(s, comparison_id)
+            c = self._comparison(s, comparison_id, owner)
             if c.status in ("queued", "running"):
                 c.status, c.error = status, error
                 if status not in ("queued", "running"):
                     c.finished_at = c.finished_at or utcnow()
 
-    def set_problem_timing(self, comparison_id: str, problem_id: str, timing: Mapping[str, Any]) -> None:
+    def set_problem_timing(self, comparison_id: str, problem_id: str, timing: Mapping[str, Any], *,
+                           owner: Any) -> None:
         """Stores one problem's request timing (see TIMING_NAMES)."""
         timing = _timing(timing)
         with self._write() as s:
-            c = self._comparison(s, comparison_id)
+            c = self._comparison(s, comparison_id, owner)
             if problem_id not in set(c.problem_ids):
                 raise ValidationError(f"problem_id: {str(problem_id)[:40]!r} is not one of the comparison's problem_ids")
             c.timing = {**(c.timing or {}), problem_id: timing}
 
-    def update_run_settings(self, comparison_id: str, settings: Mapping[str, Any]) -> None:
+    def update_run_settings(self, comparison_id: str, settings: Mapping[str, Any], *, owner: Any) -> None:
         """Merges `settings` (SETTING_NAMES) into a run's settings, e.g. step times measured as it starts."""
         settings = _settings(settings)
         with self._write() as s:
-            c = self._comparison(s, comparison_id)
+            c = self._comparison(s, comparison_id, owner)
             c.settings = {**(c.settings or {}), **settings}
 
     def interrupt_unfinished(self) -> int:
-        """At start-up: runs left queued or running by a server that stopped are marked interrupted
+        """Maintenance (every owner's runs, reads nothing out), at start-up: runs left queued or running by a server that stopped are marked interrupted
         (their stored results stay). Returns how many."""
         with self._write() as s:
             rows = list(s.scalars(select(Comparison).where(Comparison.status.in_(("queued", "running")))))
@@ -382,7 +451,7 @@ class Store:
 
     def _insert_comparison(self, s: Session, session_id: str | None, fields: dict[str, Any]) -> Comparison:
         if session_id is not None:
-            session = self._session(s, session_id)
+            session = s.get(PlaySession, session_id)  # (the callers checked its owner)
             count = s.scalar(select(func.count()).where(Comparison.session_id == session.id))
             if count >= limits.MAX_COMPARISONS_PER_SESSION:
                 raise ValidationError(f"session_id: the session already holds {count} comparisons, the limit of "
@@ -392,7 +461,7 @@ class Store:
         s.add(row)
         return row
 
-    def add_sample_results(self, comparison_id: str, results: Iterable[Any]) -> int:
+    def add_sample_results(self, comparison_id: str, results: Iterable[Any], *, owner: Any) -> int:
         """Stores per-sample outcomes: each a mapping or object with `problem_id`, `sample_index`,
         `status` (pass/fail/timeout/memory/error), optional `greedy` (the baseline; sample_index 0),
         `error` (cut to MAX_ERROR_CHARS), `runtime_s`, `completion_tokens`, `generation_ms`.
@@ -401,7 +470,7 @@ class Store:
             raise ValidationError(f"results: expected a list, got {type(results).__name__}")
         results = list(results)
         with self._write() as s:
-            c = self._comparison(s, comparison_id)
+            c = self._comparison(s, comparison_id, owner)
             return self._insert_results(s, c, results)
 
     @staticmethod
@@ -417,13 +486,14 @@ class Store:
         s.add_all(SampleResult(comparison_id=c.id, **r) for r in rows)
         return len(rows)
 
-    def set_passk(self, comparison_id: str, values: Mapping[int, float], *, greedy_pass1: float | None = None,
+    def set_passk(self, comparison_id: str, values: Mapping[int, float], *, owner: Any,
+                  greedy_pass1: float | None = None,
                   greedy_seconds: float | None = None, sampled_seconds: float | None = None) -> None:
         """Stores pass@k per k (1 <= k <= n, replacing earlier values), the greedy pass@1 and the
         wall-clock cost of each side, and marks the comparison finished. Values are the caller's
         (evals.passk); storage does not recompute them."""
         with self._write() as s:
-            c = self._comparison(s, comparison_id)
+            c = self._comparison(s, comparison_id, owner)
             passk, extra = _passk(c, values, greedy_pass1, greedy_seconds, sampled_seconds)
             self._finish(s, c, passk, extra)
 
@@ -436,44 +506,52 @@ class Store:
         if c.status in ("queued", "running"):
             c.status = "done"
 
-    def get_comparison(self, comparison_id: str) -> dict[str, Any] | None:
-        if not is_id(comparison_id):
+    def get_comparison(self, comparison_id: str, *, owner: Any) -> dict[str, Any] | None:
+        """The run with its results and pass@k; None unless `owner` may reach it."""
+        if not self.owns_comparison(comparison_id, owner):
             return None
         with self._read() as s:
             row = s.get(Comparison, comparison_id,
                         options=[selectinload(Comparison.results), selectinload(Comparison.passk)])
             return None if row is None else row.to_dict()
 
-    def list_comparisons(self, limit: int = 50, owner: str | None = None) -> list[dict[str, Any]]:
+    def list_comparisons(self, limit: int = 50, *, owner: Any) -> list[dict[str, Any]]:
         """Summaries with pass@k (no per-sample results), newest first, each with how many of its
-        results are stored. With `owner`: the runs of that owner's sessions only."""
+        results are stored: the runs of `owner`'s sessions (every run for OPERATOR; none for None)."""
         limit = v.integer("limit", limit, 1, "MAX_SESSIONS_LISTED")
+        scope = _scope(owner)
+        if scope is _DENIED:
+            return []
         counts = (select(SampleResult.comparison_id, func.count().label("done"))
                   .group_by(SampleResult.comparison_id).subquery())
         query = (select(Comparison, counts.c.done).outerjoin(counts, counts.c.comparison_id == Comparison.id)
                  .options(selectinload(Comparison.passk)).order_by(Comparison.created_at.desc()).limit(limit))
-        if owner is not None:
+        if scope is not OPERATOR:
             query = query.join(PlaySession, PlaySession.id == Comparison.session_id).where(
-                PlaySession.owner_hash == _owner_hash(owner))
+                PlaySession.owner_hash == scope)
         with self._read() as s:
             return [{**r.summary(), "problems": len(r.problem_ids), "problem_ids": list(r.problem_ids),
                      "results_stored": done or 0}
                     for r, done in s.execute(query)]
 
-    def owns_comparison(self, comparison_id: str, owner: str | None) -> bool:
-        """Is the run part of a session that `owner` owns?"""
-        if not is_id(comparison_id):
+    def owns_comparison(self, comparison_id: str, owner: Any) -> bool:
+        """May `owner` reach the run (part of one of its sessions; any run for OPERATOR)?"""
+        if not is_id(comparison_id) or _scope(owner) is _DENIED:
             return False
-        with self._read() as s:
-            sid = s.scalar(select(Comparison.session_id).where(Comparison.id == comparison_id))
-        return sid is not None and self.owns(sid, owner)
+        try:
+            with self._read() as s:
+                self._comparison(s, comparison_id, owner)
+        except NotFound:
+            return False
+        return True
 
     def set_generation_test(self, session_id: str, batch: int, sample_index: int, status: str,
-                            error: str | None = None) -> None:
+                            error: str | None = None, *, owner: Any) -> None:
         """Records the outcome of running one stored generation's code against the user's tests."""
         status = v.one_of("status", status, STATUSES)
         error = _excerpt("error", error)
         with self._write() as s:
+            self._session(s, session_id, owner)
             row = s.scalar(select(Generation).where(Generation.session_id == session_id, Generation.batch == batch,
                                                     Generation.sample_index == sample_index))
             if row is None:
@@ -482,13 +560,13 @@ class Store:
 
     # -- share links ------------------------------------------------------------------------------
 
-    def share_session(self, session_id: str) -> tuple[str, str]:
-        """Freezes the session as it is now behind a new link. Returns (token, owner_secret): the
+    def share_session(self, session_id: str, *, owner: Any) -> tuple[str, str]:
+        """Freezes `owner`'s session as it is now behind a new link. Returns (token, owner_secret): the
         token goes in /s/<token>; the owner secret (to revoke) stays with the owner. Neither is
         stored, only their SHA-256 digests."""
         token, owner_secret = share.new_token(), share.new_owner_secret()
         with self._write() as s:
-            row = self._session(s, session_id)
+            row = self._session(s, session_id, owner)
             count = s.scalar(select(func.count()).where(ShareLink.session_id == row.id))
             if count >= limits.MAX_SHARES_PER_SESSION:
                 raise ValidationError(f"session_id: the session already has {count} share links, the limit of "
@@ -534,40 +612,43 @@ class Store:
                 return True
         return False
 
-    def list_shares(self, session_id: str) -> list[dict[str, Any]]:
-        """The live links of a session: [{"link": a key for revoke_link, "created_at"}], newest first.
-        (Tokens are not stored, so they cannot be listed; the key is a prefix of the token's digest.)"""
-        if not is_id(session_id):
+    def list_shares(self, session_id: str, *, owner: Any) -> list[dict[str, Any]]:
+        """The live links of `owner`'s session: [{"link": a key for revoke_link, "created_at"}], newest
+        first; [] for anyone else. (Tokens are not stored, so they cannot be listed; the key is a prefix of
+        the token's digest.)"""
+        if not self.owns(session_id, owner):
             return []
         with self._read() as s:
             rows = s.execute(select(ShareLink.token_hash, ShareLink.created_at)
                              .where(ShareLink.session_id == session_id).order_by(ShareLink.created_at.desc()))
             return [{"link": h[:LINK_KEY_CHARS], "created_at": iso(t)} for h, t in rows]
 
-    def revoke_link(self, session_id: str, link: str) -> bool:
-        """Deletes one of the session's links by its `list_shares` key (the app checks ownership first)."""
+    def revoke_link(self, session_id: str, link: str, *, owner: Any) -> bool:
+        """Deletes one of `owner`'s session's links by its `list_shares` key. False when there is no such
+        link of a session of `owner`'s."""
         if not is_id(session_id) or not isinstance(link, str) or len(link) != LINK_KEY_CHARS or \
-                not all(c in "0123456789abcdef" for c in link):
+                not all(c in "0123456789abcdef" for c in link) or not self.owns(session_id, owner):
             return False
-        with self._write() as s:
+        with self._write() as s:  # (a session's owner never changes)
             row = s.scalar(select(ShareLink).where(ShareLink.session_id == session_id,
                                                    ShareLink.token_hash.startswith(link)))
             if row is not None:
                 s.delete(row)
             return row is not None
 
-    def fork_shared(self, token: str, owner: str | None = None) -> str | None:
-        """A new session (new id, editable, yours) with a copy of everything in the snapshot, or None.
-        `owner`: whose History it joins."""
+    def fork_shared(self, token: str, *, owner: Any) -> str | None:
+        """A new session of `owner`'s (new id, editable) with a copy of everything in the snapshot, or None
+        for an unknown token. Counts against the owner's MAX_SESSIONS_PER_OWNER."""
+        owner_hash = self._creator(owner)
         snap = self.get_shared(token)
         if snap is None:
             return None
         fields = _session_fields({k: snap[k] for k in SESSION_FIELDS})
-        owner_hash = None if owner is None else _owner_hash(owner)
         batches: dict[int, list[dict[str, Any]]] = {}
         for g in snap["generations"]:
             batches.setdefault(g["batch"], []).append(g)
         with self._write() as s:
+            self._check_session_room(s, owner_hash)
             session = self._insert_session(s, fields)
             if owner_hash is not None:
                 session.owner_hash = owner_hash

@@ -14,7 +14,11 @@ class ValidationError(ValueError):
 
 
 class NotFound(LookupError):
-    """A write referred to a session or comparison that does not exist."""
+    """A write referred to a session or comparison that does not exist, or not to its owner."""
+
+
+class LimitReached(ValidationError):
+    """An owner holds as much as one owner may (sessions); nothing was written."""
 
 
 def _limit(hi: int | float | str) -> tuple[int | float, str]:

@@ -17,7 +17,7 @@ from laneplay.app import checks
 from laneplay.app.jobs import Busy, JobManager, RunConfig, RunInputError, cost_per_k, summarize
 from laneplay.evals.passk import mean_pass_at_ks
 from laneplay.evals.problems import user_problem
-from laneplay.storage import Store
+from laneplay.storage import OPERATOR, Store
 
 from .serving import serve
 
@@ -99,11 +99,11 @@ def problems():
 async def wait_run(store, cid, timeout=60.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        run = store.get_comparison(cid)
+        run = store.get_comparison(cid, owner=OPERATOR)
         if run["status"] not in ("queued", "running"):
             return run
         await asyncio.sleep(0.05)
-    raise AssertionError(f"run still {store.get_comparison(cid)['status']}")
+    raise AssertionError(f"run still {store.get_comparison(cid, owner=OPERATOR)['status']}")
 
 
 def test_a_run_stores_every_sample_and_the_unbiased_pass_at_k(url, store):
@@ -143,23 +143,49 @@ def test_one_run_per_owner_a_global_cap_and_a_queue(url, store):
         sids = [store.create_session(title="t", owner=o) for o in (OWNER, OTHER, "q" * 40)]
         config = RunConfig(n=1, temperature=0.5)
         first = await jobs.start(owner=OWNER, session_id=sids[0], problems=problems()[:1], problem_set="user",
-                                 config=config)
+                                 config=config, address="10.0.0.1")
         await asyncio.sleep(0.05)  # the first job takes the one slot
         with pytest.raises(Busy, match="already have"):
             await jobs.start(owner=OWNER, session_id=sids[0], problems=problems()[:1], problem_set="user",
                              config=config)
         second = await jobs.start(owner=OTHER, session_id=sids[1], problems=problems()[:1], problem_set="user",
-                                  config=config)
-        assert store.get_comparison(second)["status"] == "queued"
+                                  config=config, address="10.0.0.2")
+        assert store.get_comparison(second, owner=OPERATOR)["status"] == "queued"
         assert jobs.live(second)["queue_position"] == 1
         with pytest.raises(Busy, match="busy"):
             await jobs.start(owner="q" * 40, session_id=sids[2], problems=problems()[:1], problem_set="user",
-                             config=config)
+                             config=config, address="10.0.0.3")
         runs = [await wait_run(store, c) for c in (first, second)]
         return runs, store.list_comparisons(owner="q" * 40)
 
     runs, third = asyncio.run(go())
     assert [r["status"] for r in runs] == ["done", "done"] and third == []
+
+
+def test_made_up_owners_from_one_address_get_that_address_share_of_the_slots(url, store):
+    async def go():
+        DELAY["s"] = 0.2
+        jobs = JobManager(store, StubEngine(url))  # the app's bounds: 8 active, a quarter per address
+        config = RunConfig(n=1, temperature=0.5)
+        started, refused = [], []
+        for i in range(20):  # twenty owners, all from one address
+            owner = f"{i:02d}" + "m" * 38
+            sid = store.create_session(title="t", owner=owner)
+            try:
+                started.append(await jobs.start(owner=owner, session_id=sid, problems=problems()[:1],
+                                                problem_set="user", config=config, address="203.0.113.7"))
+            except Busy as e:
+                refused.append(str(e))
+        sid = store.create_session(title="t", owner=OTHER)  # someone else, from elsewhere, still gets in
+        other = await jobs.start(owner=OTHER, session_id=sid, problems=problems()[:1], problem_set="user",
+                                 config=config, address="198.51.100.2")
+        for c in started + [other]:
+            await wait_run(store, c)
+        return started, refused, jobs.max_per_address
+
+    started, refused, share = asyncio.run(go())
+    assert len(started) == share < 8 and len(refused) == 20 - share
+    assert all("your address" in r for r in refused)
 
 
 def test_cancel_stops_the_run_and_keeps_what_finished(url, store):
@@ -169,13 +195,13 @@ def test_cancel_stops_the_run_and_keeps_what_finished(url, store):
         sid = store.create_session(title="t", owner=OWNER)
         cid = await jobs.start(owner=OWNER, session_id=sid, problems=problems(), problem_set="user",
                                config=RunConfig(n=2, temperature=0.8))
-        while not store.get_comparison(cid)["results"]:
+        while not store.get_comparison(cid, owner=OPERATOR)["results"]:
             await asyncio.sleep(0.05)
         assert not jobs.cancel(cid, OTHER)  # only its owner can
         assert jobs.cancel(cid, OWNER)
         run = await wait_run(store, cid)
         await asyncio.sleep(1.0)  # nothing more arrives after the cancel
-        return run, store.get_comparison(cid), jobs.active_run(OWNER)
+        return run, store.get_comparison(cid, owner=OPERATOR), jobs.active_run(OWNER)
 
     run, later, active = asyncio.run(go())
     assert run["status"] == "cancelled" and active is None
@@ -198,7 +224,7 @@ def test_bad_configurations_and_a_missing_sandbox_store_nothing(url, store, monk
     monkeypatch.setattr(checks, "sandbox_available", lambda: (False, "bubblewrap is not installed"))
     with pytest.raises(checks.SandboxMissing, match="bubblewrap"):
         asyncio.run(go(RunConfig()))
-    assert store.list_comparisons() == []
+    assert store.list_comparisons(owner=OPERATOR) == []
 
 
 KILLED = """
@@ -231,17 +257,17 @@ def test_a_server_killed_mid_run_keeps_what_finished_and_the_run_reads_interrupt
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            runs = store.list_comparisons()
+            runs = store.list_comparisons(owner=OPERATOR)
             if runs and runs[0]["results_stored"] >= 3:
                 break
             assert proc.poll() is None
             time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
-        before = store.get_comparison(store.list_comparisons()[0]["id"])
+        before = store.get_comparison(store.list_comparisons(owner=OPERATOR)[0]["id"], owner=OPERATOR)
         assert before["status"] == "running" and len(before["results"]) >= 3
         assert store.interrupt_unfinished() == 1  # what `laneplay serve` does as it starts
-        after = store.get_comparison(before["id"])
+        after = store.get_comparison(before["id"], owner=OPERATOR)
         assert after["status"] == "interrupted" and after["results"] == before["results"]
         part = summarize(after)
         assert part["greedy_done"] >= 1 and part["problems_complete"] < 6

@@ -5,14 +5,15 @@ import re
 import pytest
 from fastapi.testclient import TestClient
 
-from laneplay.app.context import OWNER_COOKIE, AppContext
+from laneplay.app.context import AppContext
 from laneplay.app.jobs import RunInputError
+from laneplay.app.owners import COOKIE, OwnerKeys
 from laneplay.app.passn import chosen_problems, config_of, search_problems
 from laneplay.app.passn_view import chart_svg, compare_html, grid_html, progress_html, table_html
 from laneplay.app.supervisor import RemoteEngine
 from laneplay.app.web import create_app
 from laneplay.evals.passk import pass_at_k
-from laneplay.storage import Store
+from laneplay.storage import OPERATOR, Store
 
 OWNER = "o" * 40
 HOSTILE = "<script>alert(1)</script>"
@@ -31,15 +32,15 @@ def stored_run(store, statuses=(("pass", "fail", "pass", "pass"), ("fail", "fail
     sid = store.create_session(title="t", owner=owner)
     ids = ["HumanEval/0", "HumanEval/1"]
     cid = store.create_comparison(problem_set="humaneval", problem_ids=ids, n=n, temperature=0.8, session_id=sid,
-                                  settings={"step_ms": {"1": 10.0, "2": 12.0}})
+                                  settings={"step_ms": {"1": 10.0, "2": 12.0}}, owner=OPERATOR)
     for pid, sts in zip(ids, statuses):
         store.set_problem_timing(cid, pid, {"greedy_ms": 1000.0, "batch_ms": 1500.0, "batch_ttft_ms": 100.0,
-                                            "batch_tokens": 51, "greedy_tokens": 40})
+                                            "batch_tokens": 51, "greedy_tokens": 40}, owner=OPERATOR)
         store.add_sample_results(cid, [{"problem_id": pid, "greedy": j == 0, "sample_index": max(j - 1, 0),
                                         "status": s, "error": None if s == "pass" else f"AssertionError {HOSTILE}",
-                                        "code": f"def f():\n    return '{HOSTILE}'"} for j, s in enumerate(sts)])
+                                        "code": f"def f():\n    return '{HOSTILE}'"} for j, s in enumerate(sts)], owner=OPERATOR)
     if finish:
-        store.set_passk(cid, {1: 0.5}, greedy_pass1=0.5)
+        store.set_passk(cid, {1: 0.5}, greedy_pass1=0.5, owner=OPERATOR)
     return sid, cid
 
 
@@ -72,7 +73,7 @@ def test_inputs_are_checked_before_anything_runs():
 
 def test_the_run_reads_the_same_live_reopened_or_shared(store):
     _, cid = stored_run(store)
-    run = store.get_comparison(cid)
+    run = store.get_comparison(cid, owner=OPERATOR)
     prog = progress_html(run)
     assert re.search(r'data-state="done" data-done="2" data-total="2" data-checked="8" data-samples="8"', prog)
     grid = grid_html(run, "/api/runs/x/sample")
@@ -93,38 +94,41 @@ def test_the_run_reads_the_same_live_reopened_or_shared(store):
 
 def test_partial_and_unfinished_runs_show_what_finished(store):
     _, cid = stored_run(store, statuses=(("pass", "fail", "pass", "pass"), ("fail",)), finish=False)
-    run = store.get_comparison(cid)
+    run = store.get_comparison(cid, owner=OPERATOR)
     assert re.search(r'data-state="running" data-done="1" data-total="2" data-checked="5"', progress_html(run))
     assert "over 1 of 2 problems so far" in table_html(run)
     assert grid_html(run, "").count('data-status="pending"') == 3
-    store.set_run_status(cid, "interrupted")
-    assert "the server stopped during the run" in progress_html(store.get_comparison(cid))
+    store.set_run_status(cid, "interrupted", owner=OPERATOR)
+    assert "the server stopped during the run" in progress_html(store.get_comparison(cid, owner=OPERATOR))
 
 
 def test_a_comparison_puts_the_runs_in_one_table_and_chart(store):
     _, a = stored_run(store)
     _, b = stored_run(store, statuses=(("pass", "pass", "pass", "pass"), ("pass", "pass", "fail", "pass")))
-    runs = [store.get_comparison(a), store.get_comparison(b)]
+    runs = [store.get_comparison(a, owner=OPERATOR), store.get_comparison(b, owner=OPERATOR)]
     table = compare_html(runs)
     assert 'data-runs="2"' in table and table.count("<tr data-k=") == 2 and "greedy pass@1" in table
     assert 'data-series="2"' in chart_svg(runs, "passn-compare-chart")
 
 
-def test_a_sample_is_served_to_its_owner_and_through_a_share_link_only(store):
+def test_a_sample_is_served_to_its_owner_and_through_a_share_link_only(store, tmp_path):
     sid, cid = stored_run(store)
-    app = create_app(AppContext(engine=RemoteEngine("http://127.0.0.1:9"), store=store))
+    keys = OwnerKeys(tmp_path / "keys.json")
+    app = create_app(AppContext(engine=RemoteEngine("http://127.0.0.1:9"), store=store, owners=keys))
     query = "?problem=HumanEval/0&greedy=0&index=1"
     with TestClient(app) as client:
-        client.cookies.set(OWNER_COOKIE, OWNER)
+        client.cookies.set(COOKIE, OWNER)  # the owner's id itself, unsigned: a made-up cookie
+        assert client.get(f"/api/runs/{cid}/sample{query}").status_code == 404
+        client.cookies.set(COOKIE, keys.issue(OWNER)[1])
         mine = client.get(f"/api/runs/{cid}/sample{query}")
         assert mine.status_code == 200 and mine.json()["status"] == "pass" and HOSTILE in mine.json()["code"]
         assert mine.headers["content-type"].startswith("application/json")  # data, never rendered as HTML
         assert client.get(f"/api/runs/{cid}/sample?problem=HumanEval/0&greedy=0&index=9").status_code == 404
-        client.cookies.set(OWNER_COOKIE, "p" * 40)
+        client.cookies.set(COOKIE, keys.issue("p" * 40)[1])
         assert client.get(f"/api/runs/{cid}/sample{query}").status_code == 404
         client.cookies.clear()
         assert client.get(f"/api/runs/{cid}/sample{query}").status_code == 404
-        token, _ = store.share_session(sid)
+        token, _ = store.share_session(sid, owner=OPERATOR)
         page = client.get(f"/s/{token}")
         assert page.status_code == 200 and 'id="passn-table"' in page.text and HOSTILE not in page.text
         assert cid not in page.text  # a snapshot names no run ids: its runs go by position
@@ -134,10 +138,11 @@ def test_a_sample_is_served_to_its_owner_and_through_a_share_link_only(store):
             assert client.get(bad).status_code in (404, 422), bad
 
 
-def test_the_app_marks_runs_of_a_stopped_server_interrupted_as_it_starts(store):
+def test_the_app_marks_runs_of_a_stopped_server_interrupted_as_it_starts(store, tmp_path):
     _, cid = stored_run(store, statuses=(("pass", "fail"), ()), finish=False)
-    assert store.get_comparison(cid)["status"] == "running"
-    create_app(AppContext(engine=RemoteEngine("http://127.0.0.1:9"), store=store))
-    run = store.get_comparison(cid)
+    assert store.get_comparison(cid, owner=OPERATOR)["status"] == "running"
+    create_app(AppContext(engine=RemoteEngine("http://127.0.0.1:9"), store=store,
+                          owners=OwnerKeys(tmp_path / "keys.json")))
+    run = store.get_comparison(cid, owner=OPERATOR)
     assert run["status"] == "interrupted" and len(run["results"]) == 2  # what finished is kept
     assert "the server stopped during the run" in progress_html(run)

@@ -181,6 +181,8 @@ def test_share_fork_and_revoke(server, owner, new_context):
     viewer.wait_for_url("**/?session=*")
     viewer.wait_for_selector("#meter")
     viewer.wait_for_function("() => document.querySelector('#meter').dataset.state === 'done'")
+    # The fork is open, and its id has left the address bar (it would travel in screenshots and chats).
+    viewer.wait_for_function("() => !window.location.search.includes('session=')")
     assert len(history_rows(viewer)) == 1  # the fork is in the viewer's History...
     assert len(history_rows(page)) == len(owner_rows)  # ...and not in the owner's
 

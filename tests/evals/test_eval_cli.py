@@ -12,7 +12,7 @@ from laneplay.evals.engine_generate import Batch, SampleTiming
 from laneplay.evals.passk import pass_at_k
 from laneplay.evals.problems import select
 from laneplay.cli import main
-from laneplay.storage import Store
+from laneplay.storage import OPERATOR, Store
 
 WRONG = "    return None\n"
 
@@ -61,7 +61,7 @@ def printed_numbers(out: str) -> dict[str, float]:
 
 def check_stored(db_url: str, comparison_id: str, printed: dict[str, float], n: int, problems: int) -> dict:
     """The stored comparison reproduces the printed numbers: pass@k recomputed from its samples."""
-    c = Store(db_url).get_comparison(comparison_id)
+    c = Store(db_url).get_comparison(comparison_id, owner=OPERATOR)
     assert c["finished_at"] is not None and c["n"] == n and len(c["problem_ids"]) == problems
     sampled = [r for r in c["results"] if not r["greedy"]]
     greedy = [r for r in c["results"] if r["greedy"]]
@@ -126,7 +126,7 @@ def test_greedy_only(tmp_path, db_url, monkeypatch, capsys, sandboxed):
     rc = main(["eval", "--problems", "humaneval:0-2", "--n", "0", "--db", db_url, "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0 and printed_numbers(out) == {"greedy pass@1": 1.0}
-    c = Store(db_url).get_comparison(comparison_id_of(out))
+    c = Store(db_url).get_comparison(comparison_id_of(out), owner=OPERATOR)
     assert c["greedy_pass1"] == 1.0 and c["passk"] == [] and len(c["results"]) == 2
     assert c["n"] == 0 and c["greedy"] is True  # stored as what it is: greedy only, no samples
     assert all(r["greedy"] for r in c["results"])
@@ -141,7 +141,7 @@ def test_ctrl_c_keeps_finished_problems(tmp_path, db_url, monkeypatch, capsys, s
     err = capsys.readouterr().err
     assert rc == 130 and "interrupted; 2 of 4 problems are stored" in err
     cid = re.search(r"comparison (\S+) \(left unfinished\)", err)[1]
-    c = Store(db_url).get_comparison(cid)
+    c = Store(db_url).get_comparison(cid, owner=OPERATOR)
     assert c["finished_at"] is None and c["passk"] == []
     assert sorted({r["problem_id"] for r in c["results"]}) == ["HumanEval/0", "HumanEval/1"]
     assert len(c["results"]) == 2 * 3

@@ -3,7 +3,7 @@ from math import comb
 
 from sqlalchemy import inspect, text
 
-from laneplay.storage import Store
+from laneplay.storage import OPERATOR, Store
 
 
 def row_counts(store: Store) -> dict[str, int]:
@@ -28,5 +28,6 @@ def passk_formula(n: int, c: int, k: int) -> float:
 
 
 def make_comparison(store: Store, session_id=None, problems=("HumanEval/0", "HumanEval/1"), n=4, **kw) -> str:
+    kw.setdefault("owner", OPERATOR)
     return store.create_comparison(session_id=session_id, problem_set="humaneval", problem_ids=list(problems),
                                    n=n, temperature=0.8, model="smollm2-135m-instruct", **kw)

@@ -5,7 +5,7 @@ import time
 from sqlalchemy import event
 from sqlalchemy.orm import Session
 
-from laneplay.storage import Store
+from laneplay.storage import OPERATOR, Store
 
 
 def record(worker: int, i: int, sample_index: int = 0, text: str = "") -> dict:
@@ -20,7 +20,7 @@ def write_many(url: str, session_id: str, worker: int, count: int, barrier, resu
         store = Store(url, upgrade=False)  # the parent migrated the database
         barrier.wait(timeout=60)
         for i in range(count):
-            store.add_generations(session_id, [record(worker, i)])
+            store.add_generations(session_id, [record(worker, i)], owner=OPERATOR)
         store.close()
         results.put((worker, "ok"))
     except BaseException as e:  # report everything, "database is locked" included
@@ -32,7 +32,7 @@ def die_mid_transaction(url: str, session_id: str, pipe) -> None:
     until the parent SIGKILLs it. A tiny page cache makes SQLite spill the uncommitted pages into the
     WAL file, so the kill really leaves a partial transaction on disk."""
     store = Store(url, upgrade=False)
-    store.add_generations(session_id, [record(0, 0)])
+    store.add_generations(session_id, [record(0, 0)], owner=OPERATOR)
     store.engine.dispose()
     event.listen(store.engine, "connect", lambda conn, _: conn.execute("PRAGMA cache_size = 8"))
 
@@ -41,7 +41,7 @@ def die_mid_transaction(url: str, session_id: str, pipe) -> None:
         time.sleep(120)
 
     event.listen(Session, "after_flush_postexec", hold)
-    store.add_generations(session_id, [record(0, 1, k, text=f"{k}" * 60_000) for k in range(16)])
+    store.add_generations(session_id, [record(0, 1, k, text=f"{k}" * 60_000) for k in range(16)], owner=OPERATOR)
     pipe.send("committed?!")  # never reached
 
 
@@ -49,5 +49,5 @@ def commit_forever(url: str, session_id: str, pipe) -> None:
     """Commits 4-sample batches in a loop, reporting each batch number after its commit returns."""
     store = Store(url, upgrade=False)
     for i in range(100_000):
-        batch = store.add_generations(session_id, [record(1, i, k) for k in range(4)])
+        batch = store.add_generations(session_id, [record(1, i, k) for k in range(4)], owner=OPERATOR)
         pipe.send(batch)

@@ -6,6 +6,8 @@ import sqlite3
 
 import storage_workers
 
+from laneplay.storage import OPERATOR
+
 
 def _check(path: str) -> None:
     con = sqlite3.connect(path)
@@ -17,7 +19,7 @@ def _check(path: str) -> None:
 
 
 def test_kill_in_the_middle_of_a_transaction(store, db_url):
-    sid = store.create_session(title="crash")
+    sid = store.create_session(title="crash", owner=OPERATOR)
     path = db_url.removeprefix("sqlite:///")
     parent, child = mp.get_context("spawn").Pipe()
     proc = mp.get_context("spawn").Process(target=storage_workers.die_mid_transaction, args=(db_url, sid, child))
@@ -33,14 +35,14 @@ def test_kill_in_the_middle_of_a_transaction(store, db_url):
     assert proc.exitcode == -9
 
     _check(path)
-    gens = store.get_session(sid)["generations"]
+    gens = store.get_session(sid, owner=OPERATOR)["generations"]
     assert [(g["batch"], g["sample_index"]) for g in gens] == [(1, 0)]  # the committed batch, nothing of the other
-    assert store.add_generations(sid, [storage_workers.record(0, 2)]) == 2  # and the database takes writes
+    assert store.add_generations(sid, [storage_workers.record(0, 2)], owner=OPERATOR) == 2  # and the database takes writes
     _check(path)
 
 
 def test_kill_while_committing_in_a_loop_loses_nothing_committed(store, db_url):
-    sid = store.create_session(title="crash loop")
+    sid = store.create_session(title="crash loop", owner=OPERATOR)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=storage_workers.commit_forever, args=(db_url, sid, child))
@@ -58,7 +60,7 @@ def test_kill_while_committing_in_a_loop_loses_nothing_committed(store, db_url):
 
     _check(db_url.removeprefix("sqlite:///"))
     batches = {}
-    for g in store.get_session(sid)["generations"]:
+    for g in store.get_session(sid, owner=OPERATOR)["generations"]:
         batches.setdefault(g["batch"], []).append(g["sample_index"])
     assert set(acked) <= set(batches)  # every acknowledged commit survived
     assert len(batches) in (len(acked), len(acked) + 1)  # plus at most the one committed unacknowledged

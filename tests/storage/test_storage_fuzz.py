@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from laneplay.storage import NotFound, Store, ValidationError
+from laneplay.storage import OPERATOR, NotFound, Store, ValidationError
 
 from .storage_testutil import gen, row_counts
 
@@ -32,9 +32,9 @@ OK = (ValidationError, NotFound)
 @pytest.fixture(scope="module")
 def fuzz_store(tmp_path_factory):
     s = Store(f"sqlite:///{tmp_path_factory.mktemp('fuzz') / 'fuzz.db'}")
-    sid = s.create_session(title="base")
+    sid = s.create_session(title="base", owner=OPERATOR)
     cid = s.create_comparison(session_id=sid, problem_set="humaneval", problem_ids=["HumanEval/0"], n=2,
-                              temperature=0.8, model="m")
+                              temperature=0.8, model="m", owner=OPERATOR)
     yield s, sid, cid
     s.close()
 
@@ -50,13 +50,13 @@ def test_create_and_update_session(fuzz_store, field, value):
     store, sid, _ = fuzz_store
     before = row_counts(store)
     try:
-        new = store.create_session(**{field: value})
+        new = store.create_session(**{field: value}, owner=OPERATOR)
     except OK:
         _unchanged(store, before)
     else:
-        assert store.delete_session(new)
+        assert store.delete_session(new, owner=OPERATOR)
     try:
-        store.update_session(sid, **{field: value})
+        store.update_session(sid, **{field: value}, owner=OPERATOR)
     except OK:
         pass
 
@@ -72,7 +72,7 @@ def test_add_generations(fuzz_store, key, value, records):
     rec[key] = value
     for batch in ([rec], records):
         try:
-            store.add_generations(sid, batch)
+            store.add_generations(sid, batch, owner=OPERATOR)
         except OK:
             _unchanged(store, before)
         before = row_counts(store)
@@ -87,7 +87,7 @@ def test_create_comparison(fuzz_store, field, value):
     kw[field] = value
     before = row_counts(store)
     try:
-        store.create_comparison(session_id=sid, **kw)
+        store.create_comparison(session_id=sid, **kw, owner=OPERATOR)
     except OK:
         _unchanged(store, before)
 
@@ -102,12 +102,12 @@ def test_sample_results_and_passk(fuzz_store, key, value, passk, greedy_pass1):
     rec[key] = value
     before = row_counts(store)
     try:
-        store.add_sample_results(cid, [rec])
+        store.add_sample_results(cid, [rec], owner=OPERATOR)
     except OK:
         _unchanged(store, before)
     for values_, g1 in ((passk, None), ({1: 0.5}, greedy_pass1)):
         try:
-            store.set_passk(cid, values_, greedy_pass1=g1)
+            store.set_passk(cid, values_, greedy_pass1=g1, owner=OPERATOR)
         except OK:
             pass
 
@@ -118,15 +118,16 @@ def test_ids_tokens_and_secrets(fuzz_store, token, secret, session_id):
     store, _, _ = fuzz_store
     before = row_counts(store)
     assert store.get_shared(token) is None
-    assert store.fork_shared(token) is None
+    assert store.fork_shared(token, owner=OPERATOR) is None
     assert store.revoke_share(token, secret) is False
     for call in (store.get_session, store.get_comparison):
-        assert call(session_id) is None
-    for call in (lambda: store.add_generations(session_id, [gen()]), lambda: store.share_session(session_id),
-                 lambda: store.update_session(session_id, title="t")):
+        assert call(session_id, owner=OPERATOR) is None
+    for call in (lambda: store.add_generations(session_id, [gen()], owner=OPERATOR),
+                 lambda: store.share_session(session_id, owner=OPERATOR),
+                 lambda: store.update_session(session_id, title="t", owner=OPERATOR)):
         with pytest.raises(OK):
             call()
-    assert store.delete_session(session_id) is False
+    assert store.delete_session(session_id, owner=OPERATOR) is False
     _unchanged(store, before)
 
 
@@ -134,17 +135,17 @@ def test_the_probe_cases_are_validation_errors(fuzz_store):
     store, sid, cid = fuzz_store
     for bad in ("\ud800", "ok\udfff", "\ud83d"):
         with pytest.raises(ValidationError, match="surrogate"):
-            store.create_session(title=bad)
+            store.create_session(title=bad, owner=OPERATOR)
         with pytest.raises(ValidationError, match="surrogate"):
-            store.add_generations(sid, [gen(text=bad)])
+            store.add_generations(sid, [gen(text=bad)], owner=OPERATOR)
     huge = 10**400
     with pytest.raises(ValidationError, match="ttft_ms"):
-        store.add_generations(sid, [gen(ttft_ms=huge)])
+        store.add_generations(sid, [gen(ttft_ms=huge)], owner=OPERATOR)
     with pytest.raises(ValidationError, match="temperature"):
-        store.create_comparison(problem_set="x", problem_ids=["a"], n=1, temperature=huge)
+        store.create_comparison(problem_set="x", problem_ids=["a"], n=1, temperature=huge, owner=OPERATOR)
     with pytest.raises(ValidationError):
-        store.set_passk(cid, {1: huge})
+        store.set_passk(cid, {1: huge}, owner=OPERATOR)
     with pytest.raises(ValidationError):
-        store.create_session(params={"temperature": -huge, "seed": huge})
+        store.create_session(params={"temperature": -huge, "seed": huge}, owner=OPERATOR)
     assert math.isfinite(1.0)  # astral text is fine
-    assert store.get_session(store.create_session(title="emoji 🚀 ok"))["title"] == "emoji 🚀 ok"
+    assert store.get_session(store.create_session(title="emoji 🚀 ok", owner=OPERATOR), owner=OPERATOR)["title"] == "emoji 🚀 ok"

@@ -8,7 +8,7 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import inspect, text
 
 from laneplay import storage
-from laneplay.storage import Store
+from laneplay.storage import OPERATOR, Store
 from laneplay.storage.db import alembic_config, make_engine
 from laneplay.storage.models import Base
 
@@ -68,8 +68,8 @@ def test_upgrade_from_previous_revision_keeps_data(db_url):
 
     with Store(db_url) as s:  # opening the store upgrades
         assert storage.current(db_url) == "0004"
-        assert s.get_session(sid)["title"] == "made before share links existed"
-        token, _ = s.share_session(sid)
+        assert s.get_session(sid, owner=OPERATOR)["title"] == "made before share links existed"
+        token, _ = s.share_session(sid, owner=OPERATOR)
         assert s.get_shared(token)["generations"][0]["text"] == "y"
     assert schema_diff(db_url) == []
 
@@ -85,8 +85,8 @@ def test_upgrade_from_0002_gives_sessions_no_owner(db_url):
     engine.dispose()
     with Store(db_url) as s:
         assert storage.current(db_url) == "0004"
-        assert s.get_session(sid)["title"] == "before owners"
-        assert s.list_sessions(owner="o" * 43) == [] and [x["id"] for x in s.list_sessions()] == [sid]
+        assert s.get_session(sid, owner=OPERATOR)["title"] == "before owners"
+        assert s.list_sessions(owner="o" * 43) == [] and [x["id"] for x in s.list_sessions(owner=OPERATOR)] == [sid]
     assert schema_diff(db_url) == []
 
 
@@ -127,4 +127,4 @@ def test_concurrent_upgrades_take_turns(db_url):
 @pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:"])
 def test_in_memory_upgrade(url):
     with Store(url) as s:
-        assert s.list_sessions() == []
+        assert s.list_sessions(owner=OPERATOR) == []
