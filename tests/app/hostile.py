@@ -70,16 +70,19 @@ class GradioPage:
     page id (`session_hash`)."""
 
     def __init__(self, base: str, config: dict, cookie: str | None, session_hash: str | None = None,
-                 cookie_name: str = "laneplay_owner", query: str = ""):
+                 cookie_name: str = "laneplay_owner", query: str = "", client: httpx.Client | None = None):
+        """`client`: an HTTP client (with its cookies) to share between pages; else one of its own."""
         self.base, self.config, self.query = base, config, query
         self.session_hash = session_hash or secrets.token_hex(6)
-        self.client = httpx.Client(base_url=base, timeout=30.0)
+        self.own_client = client is None
+        self.client = client or httpx.Client(base_url=base, timeout=30.0)
         if cookie is not None:
             self.client.cookies.set(cookie_name, cookie)
         self.components = {c["id"]: c for c in config["components"]}
 
     def close(self) -> None:
-        self.client.close()
+        if self.own_client:
+            self.client.close()
 
     def call(self, dep: dict, data: list, event_data=None, timeout: float = 30.0) -> Reply:
         """Runs one event (queued or not) with these inputs; returns every message it produced."""

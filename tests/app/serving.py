@@ -14,6 +14,7 @@ import uvicorn
 def serve(app) -> Iterator[str]:
     """Serves `app` while the block runs; yields its base URL (http://127.0.0.1:<port>)."""
     sock = socket.socket()
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # no 40 ms delayed-ACK stalls per request
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -190,6 +190,8 @@ def test_no_http_route_answers_anything_of_another_owner(app_server, victim):
     url, store = app_server["url"], app_server["store"]
     sid, run, link = victim["sid"], victim["run"], victim["link"]
     before = snapshot(store, sid, run)
+    # Every request below names a new page id; lift the new-page limit so each one reaches its route.
+    app_server["ctx"].quota.pages = quota.Rate(10**9, 10**9, "pages")
     found = sorted(set((p, m) for p, ms in routes(app_server["app"]) for m in ms if m in ("GET", "POST")))
     paths = {p for p, _ in found}
     assert {"/s/{token}", "/s/{token}/fork", "/api/runs/{run_id}/sample"} <= paths, paths
@@ -261,13 +263,16 @@ def rss_mb() -> float:
 
 def test_two_hundred_fast_generate_calls_are_limited_and_memory_comes_back(app_server):
     url, config, store, keys = app_server["url"], app_server["config"], app_server["store"], app_server["keys"]
+    app_server["ctx"].quota.pages = quota.Rate(quota.PAGES_BURST_PER_ADDRESS, quota.PAGES_PER_MINUTE_PER_ADDRESS,
+                                               "pages")  # as a fresh server has it
     cookie = new_cookie(url)
     owner = keys.read(cookie)[0]
     [generate] = by_name(config, "generate")
     start_mb = rss_mb()
     outcomes = {"done": 0, "limited": 0, "other": [], "status": set()}
+    client = httpx.Client(base_url=url, timeout=30.0)
     for _ in range(200):  # a replayed call each time: a new page id, no session
-        page = GradioPage(url, config, cookie)
+        page = GradioPage(url, config, cookie, client=client)
         data = [page.value_for(i, "", "") for i in generate["inputs"]]
         data[0], data[1] = "def f():\n", "Write f."  # code, instruction
         reply = page.call(generate, data)
@@ -279,6 +284,7 @@ def test_two_hundred_fast_generate_calls_are_limited_and_memory_comes_back(app_s
             outcomes["done"] += 1
         else:
             outcomes["other"].append(reply.text[-300:])
+    client.close()
     assert not outcomes["other"], outcomes["other"][:2]
     allowed = quota.GENERATE_BURST_PER_OWNER
     assert allowed <= outcomes["done"] <= allowed + 10, outcomes  # the burst, and what refills meanwhile

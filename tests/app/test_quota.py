@@ -41,6 +41,15 @@ def test_generations_are_limited_per_owner_and_per_address():
     q.generation("carol", "10.0.0.2")
 
 
+def test_an_address_opens_new_pages_at_a_bounded_rate():
+    q = Quota()
+    for _ in range(quota.PAGES_BURST_PER_ADDRESS):
+        q.new_page("10.0.0.1")
+    with pytest.raises(Limited, match="new pages from this address"):
+        q.new_page("10.0.0.1")
+    q.new_page("10.0.0.2")
+
+
 def test_sandbox_runs_go_one_at_a_time_per_owner():
     q = Quota()
     with q.sandbox_run("alice", "10.0.0.1"):
