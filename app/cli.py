@@ -26,6 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-compile", action="store_true", help="local engine: run the decode step eagerly")
     p.add_argument("--db", default=None, help="database URL (default: $LANEPLAY_DATABASE_URL, else "
                                               "$LANEPLAY_DATA_DIR/laneplay.db, data dir ./data)")
+    p.add_argument("--forwarded-allow-ips", default=None,
+                   help="behind a reverse proxy: the proxy addresses whose X-Forwarded-For/-Proto are believed "
+                        "(the client address for limits, https for Secure cookies); default 127.0.0.1, "
+                        "or $FORWARDED_ALLOW_IPS")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
 
 
@@ -58,7 +62,8 @@ def run(args) -> int:
     where = args.engine_url or f"a local engine ({args.model}, {args.device} x{args.world_size})"
     print(f"Laneplay on http://{args.host}:{args.port} — engine: {where}", file=sys.stderr, flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, proxy_headers=True,
+                    forwarded_allow_ips=args.forwarded_allow_ips)
     finally:
         engine.stop()
         store.close()

@@ -63,6 +63,15 @@ def links_html(ctx: AppContext, sid: str | None, owner: str | None) -> str:
     return f"<ul class='lp-links'>{items}</ul>"
 
 
+# A plain form (no script: it works under the page's CSP): the server deletes everything of this browser
+# and clears its cookie, then reloads the page as a new browser.
+FORGET_HTML = ("<details class='lp-forget' id='history-forget'><summary>Forget this browser…</summary>"
+               "<p>Deletes every session, output, pass@N run and share link of this browser from the server, and "
+               "its cookie. This cannot be undone.</p><form method='post' action='/api/forget'>"
+               "<button type='submit' id='history-forget-confirm' class='lp-danger'>Delete all and forget this "
+               "browser</button></form></details>")
+
+
 def stored_meter(session: dict, note: str) -> dict | None:
     """The meter record of a session's latest generation (None if it has none)."""
     gens = session["generations"]
@@ -98,6 +107,7 @@ def build(ctx: AppContext, session_id: gr.State, pg: dict, tabs: gr.Tabs, pn: di
     selected_run = gr.State(None)
     runs_table = gr.Dataframe(headers=RUN_COLUMNS, value=[], interactive=False, elem_id="history-runs", wrap=True)
     open_run_btn = gr.Button("Open run in pass@N", elem_id="history-open-run")
+    gr.HTML(FORGET_HTML, elem_id="history-forget-box")
 
     refreshes = itertools.count(1)
 

@@ -288,7 +288,7 @@ def build(ctx: AppContext, session_id: gr.State) -> dict:
         url = f"{base}/s/{token}"
         return (f'<div class="lp-share">Read-only link (anyone with it can view this snapshot): '
                 f'<a id="share-link" href="{html.escape(url)}" target="_blank" rel="noreferrer">{html.escape(url)}</a> '
-                f'<button class="lp-copy" onclick="navigator.clipboard.writeText(\'{html.escape(url)}\')">copy</button>'
+                f'<button class="lp-copy" type="button" data-copy="{html.escape(url)}">copy</button>'
                 f'</div>'), error_html("")
 
     share.click(make_share, [session_id], [share_box, error], api_name="share", show_progress="hidden")

@@ -38,7 +38,7 @@ FORK_BURST_PER_ADDRESS = 10
 FORK_PER_MINUTE_PER_ADDRESS = 20
 # New Gradio pages (a page load, or a script's new page id): each holds about 1 MB of the server's memory
 # until it is forgotten (`app.pages`), so an address opens them at a bounded rate.
-PAGES_BURST_PER_ADDRESS = 60
+PAGES_BURST_PER_ADDRESS = 100
 PAGES_PER_MINUTE_PER_ADDRESS = 60
 # Sessions one owner keeps (History); past it, a new session is refused until some are deleted.
 SESSIONS_PER_OWNER = storage_limits.MAX_SESSIONS_PER_OWNER

@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import re
+import secrets
 from contextlib import asynccontextmanager
 from importlib import resources
 
@@ -37,7 +38,24 @@ from laneplay.storage import LimitReached, share  # noqa: E402
 log = logging.getLogger("laneplay.app")
 STATIC_URL = "/static/lp"  # Gradio owns /static itself
 GRADIO_API = "/gradio_api/"
+MAX_API_BODY = 4 * 2**20  # a Gradio event's JSON body (inputs are bounded far below this)
 NOT_FOUND = "This link does not exist or was revoked"
+SECURITY_HEADERS = {"X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer"}
+_SCRIPT_TAG = re.compile(rb"<script(?=[\s>])")
+
+
+def content_security_policy(nonce: str | None) -> str:
+    """Nothing from other hosts, no framing. The Gradio page runs its inline bootstrap scripts by nonce (and
+    what they load, 'strict-dynamic'); Gradio evaluates event `js` snippets and sets inline styles, which is
+    why 'unsafe-eval' and style 'unsafe-inline' are there. Our own pages load only our script files."""
+    scripts = f"'self' 'nonce-{nonce}' 'strict-dynamic' 'unsafe-eval'" if nonce else "'self'"
+    return "; ".join([
+        "default-src 'self'", f"script-src {scripts}", "style-src 'self' 'unsafe-inline'",
+        "img-src 'self' data: blob:", "font-src 'self' data:", "connect-src 'self'", "media-src 'self' blob:",
+        "worker-src 'self' blob:", "manifest-src 'self'", "object-src 'none'", "base-uri 'self'",
+        "form-action 'self'", "frame-ancestors 'none'"])
+
+
 SHARE_HEADERS = {"Cache-Control": "no-store", "Referrer-Policy": "no-referrer", "X-Content-Type-Options": "nosniff",
                  "X-Frame-Options": "DENY"}
 THEME = gr.themes.Default(font=["ui-sans-serif", "system-ui", "sans-serif"],
@@ -118,6 +136,29 @@ def create_app(ctx: AppContext) -> FastAPI:
                 set_owner_cookie(request, response, ctx.owners.issue(owner)[1])
         return response
 
+    @app.middleware("http")
+    async def security_headers(request: Request, call_next):
+        """Every answer: no sniffing, no framing, no referrer; HTML pages under a Content-Security-Policy
+        (the Gradio page's inline scripts carry a per-answer nonce)."""
+        response = await call_next(request)
+        html_page = response.headers.get("content-type", "").startswith("text/html")
+        if html_page and not request.url.path.startswith(("/s/", GRADIO_API)) and response.status_code == 200:
+            nonce = secrets.token_urlsafe(18)
+            body = b"".join([chunk async for chunk in response.body_iterator])
+            body = _SCRIPT_TAG.sub(f'<script nonce="{nonce}"'.encode(), body)
+            headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "set-cookie")}
+            rebuilt = HTMLResponse(body, status_code=response.status_code, headers=headers)
+            for k, v in response.headers.raw:
+                if k.lower() == b"set-cookie":
+                    rebuilt.raw_headers.append((k, v))
+            response = rebuilt
+            response.headers["Content-Security-Policy"] = content_security_policy(nonce)
+        elif html_page:
+            response.headers["Content-Security-Policy"] = content_security_policy(None)
+        for k, v in SECURITY_HEADERS.items():
+            response.headers.setdefault(k, v)
+        return response
+
     page_owners = pages.PageOwners()
     generating = {i for i, fn in demo.fns.items() if fn.api_name in GENERATING}
 
@@ -130,8 +171,13 @@ def create_app(ctx: AppContext) -> FastAPI:
         if not request.url.path.startswith(GRADIO_API):
             return await call_next(request)
         body = None
-        if request.method == "POST" and request.headers.get("content-type", "").startswith("application/json") \
-                and int(request.headers.get("content-length") or 0) <= 4 * 2**20:
+        if request.method == "POST" and not request.headers.get("content-type", "").startswith("multipart/"):
+            try:  # a body is read whole to find the page it names: so it must say its size, and be small
+                length = int(request.headers.get("content-length", ""))
+            except ValueError:
+                return JSONResponse({"error": "A request body needs a Content-Length."}, status_code=411)
+            if length > MAX_API_BODY:
+                return JSONResponse({"error": "The request body is too large."}, status_code=413)
             try:
                 body = json.loads(await request.body() or b"null")
             except ValueError:
@@ -185,6 +231,29 @@ def create_app(ctx: AppContext) -> FastAPI:
         run = runs[position] if 0 <= position < len(runs) else None
         rec = sample_record(run, problem, greedy, index)
         return JSONResponse(rec or {"error": "not found"}, status_code=200 if rec else 404, headers=SHARE_HEADERS)
+
+    @app.post("/api/forget")
+    async def forget(request: Request):
+        """History's "Forget this browser": every session, run and link of this browser is deleted and its
+        cookie cleared. Only from a page of this app: a form post of another site carries no Lax cookie, and
+        is refused by its Sec-Fetch-Site or Origin as well (pages send no referrer, so a browser's own
+        form post says Origin "null")."""
+        origin = request.headers.get("origin")
+        site = request.headers.get("sec-fetch-site")
+        if (site is not None and site not in ("same-origin", "none")) or \
+                (origin not in (None, "null") and origin.rstrip("/") != str(request.base_url).rstrip("/")):
+            return JSONResponse({"error": "forbidden"}, status_code=403, headers=SHARE_HEADERS)
+        owner = ctx.owner_of(request)
+        if owner is not None:
+            run = ctx.jobs.active_run(owner)
+            if run is not None:
+                ctx.jobs.cancel(run, owner)
+            n = ctx.store.forget_owner(owner=owner)
+            log.info("a browser asked to be forgotten: %d session(s) deleted", n)
+        response = RedirectResponse("/", status_code=303, headers={"Cache-Control": "no-store"})
+        response.delete_cookie(owners.COOKIE, path="/", httponly=True, samesite="lax",
+                               secure=request.url.scheme == "https")
+        return response
 
     @app.post("/s/{token}/fork")
     async def fork(token: str, request: Request):

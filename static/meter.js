@@ -97,3 +97,9 @@
   }
   setInterval(follow, 250);
 })();
+
+// "copy" buttons (a share link): a listener here, not an inline handler, which the page's CSP would block.
+document.addEventListener("click", function (e) {
+  var b = e.target && e.target.closest ? e.target.closest("[data-copy]") : null;
+  if (b && navigator.clipboard) navigator.clipboard.writeText(b.getAttribute("data-copy"));
+});

@@ -368,6 +368,18 @@ class Store:
             return False
         return True
 
+    def forget_owner(self, *, owner: Any) -> int:
+        """Deletes every session of `owner` (with their generations, runs and share links): a browser that
+        asked to be forgotten. Returns how many sessions went; 0 for None or a malformed owner."""
+        scope = _scope(owner)
+        if scope is _DENIED or scope is OPERATOR:
+            return 0
+        with self._write() as s:
+            rows = list(s.scalars(select(PlaySession).where(PlaySession.owner_hash == scope)))
+            for row in rows:
+                s.delete(row)
+            return len(rows)
+
     # -- generations ------------------------------------------------------------------------------
 
     def add_generations(self, session_id: str, records: Sequence[Any], *, owner: Any) -> int:

@@ -271,6 +271,7 @@ def test_two_hundred_fast_generate_calls_are_limited_and_memory_comes_back(app_s
     start_mb = rss_mb()
     outcomes = {"done": 0, "limited": 0, "other": [], "status": set()}
     client = httpx.Client(base_url=url, timeout=30.0)
+    started = time.monotonic()
     for _ in range(200):  # a replayed call each time: a new page id, no session
         page = GradioPage(url, config, cookie, client=client)
         data = [page.value_for(i, "", "") for i in generate["inputs"]]
@@ -286,11 +287,15 @@ def test_two_hundred_fast_generate_calls_are_limited_and_memory_comes_back(app_s
             outcomes["other"].append(reply.text[-300:])
     client.close()
     assert not outcomes["other"], outcomes["other"][:2]
+    refilled = (time.monotonic() - started) * quota.GENERATE_PER_MINUTE_PER_OWNER / 60
     allowed = quota.GENERATE_BURST_PER_OWNER
-    assert allowed <= outcomes["done"] <= allowed + 10, outcomes  # the burst, and what refills meanwhile
+    assert allowed <= outcomes["done"] <= allowed + refilled + 1, outcomes  # the burst, and what refilled
     assert outcomes["limited"] == 200 - outcomes["done"] and outcomes["status"] == {429}
     assert len(store.list_sessions(owner=owner)) == outcomes["done"]  # a limited call stores nothing
     # A browser's page (its heartbeat open) over the limit gets the message in the page, not a refused call.
+    bucket = app_server["ctx"].quota.gen_owner
+    bucket.wait_s(owner)
+    bucket._buckets[owner].tokens = -10.0  # nothing refills before the call below, however slow the machine
     page = GradioPage(url, config, cookie)
     try:
         page.client.get(f"/gradio_api/heartbeat/{page.session_hash}", timeout=0.3)
@@ -313,3 +318,33 @@ def test_two_hundred_fast_generate_calls_are_limited_and_memory_comes_back(app_s
 def json_dumps(x) -> str:
     import json
     return json.dumps(x)
+
+
+def test_forget_deletes_this_browsers_sessions_only_and_clears_its_cookie(app_server, victim):
+    url, store, keys = app_server["url"], app_server["store"], app_server["keys"]
+    cookie = new_cookie(url)
+    owner = keys.read(cookie)[0]
+    sid = store.create_session(title="to forget", owner=owner)
+    theirs = victim["sid"]
+    refused = httpx.post(url + "/api/forget", cookies={COOKIE: cookie}, headers={"Origin": "https://elsewhere.example"})
+    assert refused.status_code == 403 and store.get_session(sid, owner=owner) is not None
+    refused = httpx.post(url + "/api/forget", cookies={COOKIE: cookie}, headers={"Sec-Fetch-Site": "cross-site"})
+    assert refused.status_code == 403 and store.get_session(sid, owner=owner) is not None
+    r = httpx.post(url + "/api/forget", cookies={COOKIE: cookie}, headers={"Origin": url})
+    assert r.status_code == 303 and r.headers["location"] == "/"
+    assert f"{COOKIE}=" in r.headers["set-cookie"] and "max-age=0" in r.headers["set-cookie"].lower()
+    assert store.get_session(sid, owner=OPERATOR) is None and store.list_sessions(owner=owner) == []
+    assert store.get_session(theirs, owner=OPERATOR) is not None
+
+
+def test_a_body_that_hides_its_size_cannot_slip_a_page_id_past_the_check(app_server, victim):
+    import json
+
+    payload = json.dumps({"data": [], "event_data": None, "fn_index": 0, "trigger_id": None,
+                          "session_hash": victim["page"].session_hash}).encode()
+    r = httpx.post(app_server["url"] + "/gradio_api/queue/join", content=iter([payload]),
+                   headers={"content-type": "text/plain"}, timeout=10)  # chunked: no Content-Length
+    assert r.status_code == 411
+    r = httpx.post(app_server["url"] + "/gradio_api/queue/join", content=payload,
+                   headers={"content-type": "text/plain"}, timeout=10)  # any content type is read
+    assert r.status_code == 403
