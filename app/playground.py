@@ -134,7 +134,7 @@ def build(ctx: AppContext, session_id: gr.State) -> dict:
             meter = gr.HTML(render(MeterData(state="loading", note="starting"), resting=True), elem_id="meter-box")
             error = gr.HTML(error_html(""), elem_id="error-box")
             output = gr.Code(value="", language="python", label="Output", elem_id="output", interactive=False,
-                             lines=16, max_lines=40)
+                             lines=16, max_lines=40, wrap_lines=True)  # a long line wraps, indentation kept
             share_box = gr.HTML("", elem_id="share-box")
     busy = gr.State(False)
     current: dict = {}  # page (Gradio session) -> id of the one generation that may run there
