@@ -100,14 +100,21 @@ gpu-check: venv
 	$(PY) -P bench/gpu_check.py
 
 # The llama.cpp peer of `laneplay bench` (optional, a few minutes of compiling): llama-cpp-python built
-# from its source package. Where the CPU has AVX-512: explicit AVX-512/VNNI/BF16 flags with AMX off (a
-# -march=native build pulls in AMX, whose repack path crashes on the default model, and is slower here).
+# from its source package. Where the CPU has AVX-512: explicit flags with AMX off (a -march=native build
+# pulls in AMX, whose repack path crashes on the default model, and is slower here); each extension is
+# switched on only when /proc/cpuinfo lists it (AMD EPYC has AVX-512 VNNI but not the VEX AVX-VNNI, and a
+# build that assumes it dies with SIGILL on first use).
 LLAMA_CPP_VERSION := 0.3.36
-HAVE_AVX512 := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo 1)
-LLAMA_CMAKE := $(if $(HAVE_AVX512),-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-  -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \
-  -DGGML_AVX512_BF16=ON,-DGGML_NATIVE=ON) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
+cpu_has = $(if $(filter $(1),$(CPU_FLAGS)),ON,OFF)
+HAVE_AVX512 := $(filter avx512f,$(CPU_FLAGS))
+LLAMA_CMAKE := $(if $(HAVE_AVX512),-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=$(call cpu_has,fma) \
+  -DGGML_F16C=$(call cpu_has,f16c) -DGGML_BMI2=$(call cpu_has,bmi2) -DGGML_AVX_VNNI=$(call cpu_has,avx_vnni) \
+  -DGGML_AVX512=ON -DGGML_AVX512_VBMI=$(call cpu_has,avx512vbmi) -DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) \
+  -DGGML_AVX512_BF16=$(call cpu_has,avx512_bf16),-DGGML_NATIVE=ON) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
+  -DGGML_AMX_BF16=OFF
 bench-peers: venv
+	@echo "llama.cpp build flags: $(LLAMA_CMAKE)"
 	CMAKE_ARGS="$(LLAMA_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(UV_ENV) $(UV) pip install --no-deps \
 	  --no-binary llama-cpp-python "llama-cpp-python==$(LLAMA_CPP_VERSION)" "diskcache==5.6.3"
 
