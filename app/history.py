@@ -44,18 +44,15 @@ def rows(ctx: AppContext, owner: str | None) -> tuple[list[list], list[str]]:
     return table, [s["id"] for s in sessions]
 
 
-def link_choices(ctx: AppContext, sid: str | None, owner: str | None) -> list[tuple[str, str]]:
-    """The live links of `owner`'s session as (label, key) for the revoke dropdown; [] for anyone else's."""
-    if not sid:
-        return []
-    return [(f"{x['link'][:8]} ({(x['created_at'] or '')[:19].replace('T', ' ')})", x["link"])
-            for x in ctx.store.list_shares(sid, owner=owner)]
-
-
-def links_html(ctx: AppContext, sid: str | None, owner: str | None) -> str:
-    if not sid or not ctx.store.owns(sid, owner):
-        return ""
+def links_view(ctx: AppContext, sid: str, owner: str | None) -> tuple[str, dict]:
+    """The live links of `owner`'s session (list_shares answers nobody else): the list's HTML, and the
+    revoke dropdown's update (label, key) with the newest picked."""
     links = ctx.store.list_shares(sid, owner=owner)
+    choices = [(f"{x['link'][:8]} ({(x['created_at'] or '')[:19].replace('T', ' ')})", x["link"]) for x in links]
+    return links_html(links), gr.update(choices=choices, value=choices[0][1] if choices else None)
+
+
+def links_html(links: list[dict]) -> str:
     if not links:
         return "<p class='lp-muted'>No live share links for this session.</p>"
     items = "".join(f"<li>link <code>{html.escape(x['link'][:8])}</code> created "
@@ -138,9 +135,7 @@ def build(ctx: AppContext, session_id: gr.State, pg: dict, tabs: gr.Tabs, pn: di
         s = ctx.store.get_session(sid, owner=owner)
         if s is None:
             return None, "", "", gr.update(choices=[], value=None)
-        choices = link_choices(ctx, sid, owner)
-        return sid, s["title"], links_html(ctx, sid, owner), \
-            gr.update(choices=choices, value=choices[0][1] if choices else None)
+        return sid, s["title"], *links_view(ctx, sid, owner)
 
     def rename(sid, new_title, request: gr.Request):
         owner = ctx.owner_of(request)
@@ -162,9 +157,8 @@ def build(ctx: AppContext, session_id: gr.State, pg: dict, tabs: gr.Tabs, pn: di
         if not sid or not ctx.store.owns(sid, owner) or not link:  # nothing of anyone else's in the answer
             return "Select one of your sessions and one of its links first.", "", gr.update(choices=[], value=None)
         ok = ctx.store.revoke_link(sid, link, owner=owner)
-        choices = link_choices(ctx, sid, owner)
         return ("Revoked: the link now shows “does not exist or was revoked”." if ok else "That link was already gone."), \
-            links_html(ctx, sid, owner), gr.update(choices=choices, value=choices[0][1] if choices else None)
+            *links_view(ctx, sid, owner)
 
     def open_session(sid, request: gr.Request):
         s = ctx.store.get_session(sid, owner=ctx.owner_of(request)) if sid else None

@@ -24,6 +24,9 @@ from pathlib import Path
 
 from itsdangerous import BadSignature, Signer
 
+from laneplay.storage import limits
+from laneplay.storage.db import data_dir
+
 COOKIE = "laneplay_owner"
 OWNER_BYTES = 32  # 256 random bits per owner id
 KEY_BYTES = 32
@@ -35,12 +38,9 @@ RELOAD_EVERY_S = 1.0
 _ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
 
 
-def data_dir() -> Path:
-    return Path(os.environ.get("LANEPLAY_DATA_DIR") or "data")
-
-
 def is_owner_id(value: object) -> bool:
-    return isinstance(value, str) and 22 <= len(value) <= 128 and set(value) <= _ID_CHARS
+    return isinstance(value, str) and limits.MIN_OWNER_CHARS <= len(value) <= limits.MAX_OWNER_CHARS and \
+        set(value) <= _ID_CHARS
 
 
 class OwnerKeys:

@@ -38,11 +38,8 @@ class PageOwners:
         self._owner: OrderedDict[str, str] = OrderedDict()
         self._lock = threading.Lock()
 
-    def seen(self, page: str) -> bool:
-        with self._lock:
-            return page in self._owner
-
-    def admit(self, page: str, owner: str | None) -> bool:
+    def claim(self, page: str, owner: str | None) -> tuple[bool, bool]:
+        """(may `owner` use this page?, is it new?): a new page becomes `owner`'s."""
         who = owner or ""  # a cookieless page is anonymous: it holds nothing of anyone's
         with self._lock:
             held = self._owner.get(page)
@@ -50,9 +47,9 @@ class PageOwners:
                 self._owner[page] = who
                 if len(self._owner) > self.capacity:
                     self._owner.popitem(last=False)
-                return True
+                return True, True
             self._owner.move_to_end(page)
-            return hmac.compare_digest(held, who)
+            return hmac.compare_digest(held, who), False
 
 
 def page_ids(path: str, query: dict, body: object) -> set[str]:
@@ -64,11 +61,11 @@ def page_ids(path: str, query: dict, body: object) -> set[str]:
     if isinstance(body, dict) and isinstance(body.get("session_hash"), str) and body["session_hash"]:
         found.add(body["session_hash"])
     parts = path.split("/")
-    for i, part in enumerate(parts[:-1]):
-        after = len(parts) - i - 1
-        if parts[i + 1] and (part == "heartbeat" or (part == "stream" and after >= 3)):
+    for i, part in enumerate(parts[:-3]):  # /stream/<page>/<run>/<component>... (/stream/<event>: not a page)
+        if part == "stream" and parts[i + 1]:
             found.add(parts[i + 1])
-    return found
+    beating = heartbeat_page(path)
+    return found | {beating} if beating else found
 
 
 def heartbeat_page(path: str) -> str | None:

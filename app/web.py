@@ -56,8 +56,7 @@ def content_security_policy(nonce: str | None) -> str:
         "form-action 'self'", "frame-ancestors 'none'"])
 
 
-SHARE_HEADERS = {"Cache-Control": "no-store", "Referrer-Policy": "no-referrer", "X-Content-Type-Options": "nosniff",
-                 "X-Frame-Options": "DENY"}
+SHARE_HEADERS = {"Cache-Control": "no-store"}  # (and SECURITY_HEADERS, as every answer)
 THEME = gr.themes.Default(font=["ui-sans-serif", "system-ui", "sans-serif"],
                           font_mono=["ui-monospace", "SFMono-Regular", "Menlo", "monospace"])
 
@@ -126,11 +125,9 @@ def create_app(ctx: AppContext) -> FastAPI:
     @app.middleware("http")
     async def owner_cookie(request: Request, call_next):
         """A page load without a cookie this server signed gets a new owner id (a made-up or edited cookie
-        is replaced, never adopted); one signed with an older key is re-signed, same owner. Pages say no
-        referrer, so an address with a session id never leaves in a Referer header."""
+        is replaced, never adopted); one signed with an older key is re-signed, same owner."""
         response = await call_next(request)
         if response.headers.get("content-type", "").startswith("text/html"):
-            response.headers.setdefault("Referrer-Policy", "no-referrer")
             owner, current = ctx.owners.read(request.cookies.get(owners.COOKIE))
             if owner is None or not current:
                 set_owner_cookie(request, response, ctx.owners.issue(owner)[1])
@@ -184,11 +181,13 @@ def create_app(ctx: AppContext) -> FastAPI:
                 body = None
         owner, address = ctx.owner_of(request), ctx.address_of(request)
         named = pages.page_ids(request.url.path, dict(request.query_params), body)
-        fresh = [p for p in named if not page_owners.seen(p)]
+        fresh = False
         for page in named:
-            if not page_owners.admit(page, owner):
+            allowed, new = page_owners.claim(page, owner)
+            if not allowed:
                 return JSONResponse({"error": "This page belongs to another browser. Reload the page."},
                                     status_code=403, headers={"Cache-Control": "no-store"})
+            fresh |= new
         try:
             if owner and not any(p in reaper.heartbeats for p in named) and \
                     calls_generation(request.url.path, body, generating):
@@ -269,8 +268,7 @@ def create_app(ctx: AppContext) -> FastAPI:
             return limited_page(f"Not forked: {str(e).removeprefix('owner: ')}.", 60)
         if sid is None:
             return HTMLResponse(not_found_page(), status_code=404, headers=SHARE_HEADERS)
-        response = RedirectResponse(f"/?session={sid}", status_code=303,
-                                    headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})
+        response = RedirectResponse(f"/?session={sid}", status_code=303, headers={"Cache-Control": "no-store"})
         if new_cookie:
             set_owner_cookie(request, response, new_cookie)
         return response

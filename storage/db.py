@@ -22,14 +22,18 @@ MIGRATIONS = Path(__file__).parent / "migrations"
 WRITE = {"laneplay_write": True}  # execution option: begin with BEGIN IMMEDIATE
 
 
+def data_dir() -> Path:
+    """Where the app keeps its files: $LANEPLAY_DATA_DIR, default ./data."""
+    return Path(os.environ.get("LANEPLAY_DATA_DIR") or "data")
+
+
 def database_url(url: str | None = None) -> str:
     """`url`, else $LANEPLAY_DATABASE_URL, else a SQLite file in $LANEPLAY_DATA_DIR (default ./data)."""
     if url:
         return url
     if os.environ.get("LANEPLAY_DATABASE_URL"):
         return os.environ["LANEPLAY_DATABASE_URL"]
-    data_dir = Path(os.environ.get("LANEPLAY_DATA_DIR") or "data")
-    return f"sqlite:///{(data_dir / 'laneplay.db').resolve()}"
+    return f"sqlite:///{(data_dir() / 'laneplay.db').resolve()}"
 
 
 def _on_connect(dbapi_conn, _record) -> None:

@@ -520,12 +520,11 @@ class Store:
 
     def get_comparison(self, comparison_id: str, *, owner: Any) -> dict[str, Any] | None:
         """The run with its results and pass@k; None unless `owner` may reach it."""
-        if not self.owns_comparison(comparison_id, owner):
-            return None
         with self._read() as s:
-            row = s.get(Comparison, comparison_id,
-                        options=[selectinload(Comparison.results), selectinload(Comparison.passk)])
-            return None if row is None else row.to_dict()
+            try:
+                return self._comparison(s, comparison_id, owner).to_dict()
+            except NotFound:
+                return None
 
     def list_comparisons(self, limit: int = 50, *, owner: Any) -> list[dict[str, Any]]:
         """Summaries with pass@k (no per-sample results), newest first, each with how many of its
@@ -628,9 +627,11 @@ class Store:
         """The live links of `owner`'s session: [{"link": a key for revoke_link, "created_at"}], newest
         first; [] for anyone else. (Tokens are not stored, so they cannot be listed; the key is a prefix of
         the token's digest.)"""
-        if not self.owns(session_id, owner):
-            return []
         with self._read() as s:
+            try:
+                self._session(s, session_id, owner)
+            except NotFound:
+                return []
             rows = s.execute(select(ShareLink.token_hash, ShareLink.created_at)
                              .where(ShareLink.session_id == session_id).order_by(ShareLink.created_at.desc()))
             return [{"link": h[:LINK_KEY_CHARS], "created_at": iso(t)} for h, t in rows]
@@ -639,9 +640,13 @@ class Store:
         """Deletes one of `owner`'s session's links by its `list_shares` key. False when there is no such
         link of a session of `owner`'s."""
         if not is_id(session_id) or not isinstance(link, str) or len(link) != LINK_KEY_CHARS or \
-                not all(c in "0123456789abcdef" for c in link) or not self.owns(session_id, owner):
+                not all(c in "0123456789abcdef" for c in link):
             return False
-        with self._write() as s:  # (a session's owner never changes)
+        with self._write() as s:
+            try:
+                self._session(s, session_id, owner)
+            except NotFound:
+                return False
             row = s.scalar(select(ShareLink).where(ShareLink.session_id == session_id,
                                                    ShareLink.token_hash.startswith(link)))
             if row is not None:

@@ -84,35 +84,13 @@ class GradioPage:
         if self.own_client:
             self.client.close()
 
+    def _payload(self, dep: dict, data: list, event_data) -> dict:
+        return {"data": data, "event_data": event_data, "fn_index": dep["id"],
+                "trigger_id": (dep.get("targets") or [[None]])[0][0], "session_hash": self.session_hash}
+
     def call(self, dep: dict, data: list, event_data=None, timeout: float = 30.0) -> Reply:
         """Runs one event (queued or not) with these inputs; returns every message it produced."""
-        fn_index = dep["id"]
-        target = (dep.get("targets") or [[None]])[0][0]
-        payload = {"data": data, "event_data": event_data, "fn_index": fn_index, "trigger_id": target,
-                   "session_hash": self.session_hash}
-        prefix = self.config.get("api_prefix", "/gradio_api")
-        if not dep.get("queue", True):
-            r = self.client.post(f"{prefix}/run/predict{self.query}", json=payload)
-            return Reply([{"msg": "process_completed", "output": _json(r)}], r.text, r.status_code == 200)
-        r = self.client.post(f"{prefix}/queue/join{self.query}", json=payload)
-        if r.status_code != 200:
-            return Reply([{"msg": "refused", "status": r.status_code}], r.text, False)
-        event_id = r.json()["event_id"]
-        messages, deadline = [], time.monotonic() + timeout
-        with self.client.stream("GET", f"{prefix}/queue/data", params={"session_hash": self.session_hash}) as s:
-            for line in s.iter_lines():
-                if time.monotonic() > deadline:
-                    break
-                if not line.startswith("data:"):
-                    continue
-                msg = json.loads(line[5:])
-                if msg.get("event_id") not in (None, event_id):
-                    continue
-                messages.append(msg)
-                if msg.get("msg") in ("process_completed", "close_stream"):
-                    break
-        completed = any(m.get("msg") == "process_completed" for m in messages)
-        return Reply(messages, json.dumps(messages), completed)
+        return self.call_many([(dep, data, event_data)], timeout)[0]
 
     def call_many(self, calls: list[tuple[dict, list, object]], timeout: float = 60.0) -> list[Reply]:
         """Starts every queued event at once (as a page clicking fast would), then reads the page's stream
@@ -122,11 +100,10 @@ class GradioPage:
         waiting: dict[str, int] = {}
         for k, (dep, data, event_data) in enumerate(calls):
             if not dep.get("queue", True):
-                replies[k] = self.call(dep, data, event_data)
+                r = self.client.post(f"{prefix}/run/predict{self.query}", json=self._payload(dep, data, event_data))
+                replies[k] = Reply([{"msg": "process_completed", "output": _json(r)}], r.text, r.status_code == 200)
                 continue
-            payload = {"data": data, "event_data": event_data, "fn_index": dep["id"],
-                       "trigger_id": (dep.get("targets") or [[None]])[0][0], "session_hash": self.session_hash}
-            r = self.client.post(f"{prefix}/queue/join{self.query}", json=payload)
+            r = self.client.post(f"{prefix}/queue/join{self.query}", json=self._payload(dep, data, event_data))
             if r.status_code != 200:
                 replies[k] = Reply([{"msg": "refused", "status": r.status_code}], r.text, False)
             else:

@@ -6,6 +6,7 @@ Also: forged and tampered cookies are replaced, rotated keys keep owners, and th
 from __future__ import annotations
 
 import gc
+import json
 import os
 import re
 import secrets
@@ -281,7 +282,7 @@ def test_two_hundred_fast_generate_calls_are_limited_and_memory_comes_back(app_s
         if "Too many generations from this browser" in reply.text:  # a script's call: 429 at the door
             outcomes["limited"] += 1
             outcomes["status"].add(reply.messages[0].get("status"))
-        elif reply.completed and "lp-error-none" in json_dumps(reply.outputs[2]):
+        elif reply.completed and "lp-error-none" in json.dumps(reply.outputs[2]):
             outcomes["done"] += 1
         else:
             outcomes["other"].append(reply.text[-300:])
@@ -305,19 +306,14 @@ def test_two_hundred_fast_generate_calls_are_limited_and_memory_comes_back(app_s
     data[0], data[1] = "def f():\n", "Write f."
     reply = page.call(generate, data)
     page.close()
-    assert reply.completed and "lp-error" in json_dumps(reply.outputs[2]) and \
-        "Too many generations from this browser" in json_dumps(reply.outputs[2])
+    assert reply.completed and "lp-error" in json.dumps(reply.outputs[2]) and \
+        "Too many generations from this browser" in json.dumps(reply.outputs[2])
     reaper = app_server["app"].state.reaper
     reaper.heartbeats.discard(page.session_hash)
     reaper.api_idle_s = 0.0  # what the server's sweep does a minute after the calls end
     time.sleep(0.05)
     assert reaper.reap() >= outcomes["done"]
     assert rss_mb() - start_mb < 50
-
-
-def json_dumps(x) -> str:
-    import json
-    return json.dumps(x)
 
 
 def test_forget_deletes_this_browsers_sessions_only_and_clears_its_cookie(app_server, victim):
@@ -338,8 +334,6 @@ def test_forget_deletes_this_browsers_sessions_only_and_clears_its_cookie(app_se
 
 
 def test_a_body_that_hides_its_size_cannot_slip_a_page_id_past_the_check(app_server, victim):
-    import json
-
     payload = json.dumps({"data": [], "event_data": None, "fn_index": 0, "trigger_id": None,
                           "session_hash": victim["page"].session_hash}).encode()
     r = httpx.post(app_server["url"] + "/gradio_api/queue/join", content=iter([payload]),

@@ -66,9 +66,9 @@ def test_sandbox_runs_go_one_at_a_time_per_owner():
 
 def test_a_page_id_belongs_to_its_first_owner():
     pages = PageOwners(capacity=2)
-    assert pages.admit("p1", "alice") and pages.admit("p1", "alice")
-    assert not pages.admit("p1", "bob") and not pages.admit("p1", None)
-    assert pages.admit("p2", None) and not pages.admit("p2", "alice")  # an anonymous page stays anonymous
+    assert pages.claim("p1", "alice") == (True, True) and pages.claim("p1", "alice") == (True, False)
+    assert not pages.claim("p1", "bob")[0] and not pages.claim("p1", None)[0]
+    assert pages.claim("p2", None)[0] and not pages.claim("p2", "alice")[0]  # an anonymous page stays anonymous
     assert page_ids("/gradio_api/heartbeat/abc", {}, None) == {"abc"}
     assert page_ids("/gradio_api/queue/join", {"session_hash": "q"}, {"session_hash": "b"}) == {"q", "b"}
     assert page_ids("/gradio_api/stream/evt/close", {}, None) == set()  # an event id, not a page
