@@ -121,48 +121,75 @@ def token_steps(runner, ids: list[int], params: SamplingParams, eos_ids: set[int
         x = runner.decode_step(tokens.view(n, 1), len(ids) + step)
 
 
+class TextSide:
+    """The text side of one request, fed one step at a time: incremental detokenization, stop strings,
+    finish reasons and timing per sample (each sample's metrics also say its seed and sampling
+    settings). `feed` takes a step's tokens (one per sample) and returns the events they make;
+    `close` ends what is still open as "cancelled"."""
+
+    def __init__(self, params: SamplingParams, seeds: list[int], tokenizer, eos_ids: set[int], prompt_tokens: int,
+                 device: str, world_size: int, t_start: float):
+        self.params, self.eos_ids, self.t_start, self.step = params, eos_ids, t_start, 0
+        self.samples = [
+            _Sample(i, s, tokenizer.stream(), StopMatcher(params.stop),
+                    GenerationMetrics(prompt_tokens=prompt_tokens, device=device, world_size=world_size, seed=s,
+                                      temperature=t, top_p=p, top_k=k, min_p=m))
+            for i, (s, (t, p, k, m)) in enumerate(zip(seeds, params.settings()))
+        ]
+
+    @property
+    def done(self) -> bool:
+        return all(s.finish_reason for s in self.samples)
+
+    def feed(self, host: list[int], now: float) -> list[GenerationEvent]:
+        params, out = self.params, []
+        last_step = self.step == params.max_tokens - 1
+        self.step += 1
+        for s in self.samples:
+            if s.finish_reason is not None:
+                continue
+            tok = host[s.index]
+            s.t_first = now if s.t_first is None else s.t_first
+            s.t_last = now
+            s.metrics.completion_tokens += 1
+            s.pending_ids.append(tok)
+            if tok in self.eos_ids and not params.ignore_eos:
+                text, s.finish_reason = s.stop.feed(s.decoder.flush())[0] + s.stop.flush(), "stop"
+            else:
+                text, hit = s.stop.feed(s.decoder.push(tok))
+                if hit:
+                    s.finish_reason = "stop"
+                elif last_step:
+                    text += s.stop.feed(s.decoder.flush())[0] + s.stop.flush()
+                    s.finish_reason = "length"
+            if text or s.finish_reason:
+                s.metrics.finish_reason = s.finish_reason
+                s.metrics.update_timing(self.t_start, s.t_first, s.t_last)
+                out.append(GenerationEvent(s.index, text, s.pending_ids, s.finish_reason, replace(s.metrics)))
+                s.pending_ids = []
+        return out
+
+    def close(self) -> list[GenerationEvent]:
+        """The token side ended early (cancelled, timed out): close what is open."""
+        out = []
+        for s in self.samples:
+            if s.finish_reason is None:
+                s.finish_reason = s.metrics.finish_reason = "cancelled"
+                out.append(GenerationEvent(s.index, "", s.pending_ids, "cancelled", replace(s.metrics)))
+        return out
+
+
 def stream_events(steps: Iterator[tuple[list[int], float]], params: SamplingParams, seeds: list[int], tokenizer,
                   eos_ids: set[int], prompt_tokens: int, device: str, world_size: int,
                   t_start: float) -> Iterator[GenerationEvent]:
-    """The text side: incremental detokenization, stop strings, finish reasons and timing per sample
-    (each sample's metrics also say its seed and sampling settings)."""
-    samples = [
-        _Sample(i, s, tokenizer.stream(), StopMatcher(params.stop),
-                GenerationMetrics(prompt_tokens=prompt_tokens, device=device, world_size=world_size, seed=s,
-                                  temperature=t, top_p=p, top_k=k, min_p=m))
-        for i, (s, (t, p, k, m)) in enumerate(zip(seeds, params.settings()))
-    ]
+    """The text side over a whole token stream (see `TextSide`)."""
+    text = TextSide(params, seeds, tokenizer, eos_ids, prompt_tokens, device, world_size, t_start)
     try:
-        for step, (host, now) in enumerate(steps):
-            last_step = step == params.max_tokens - 1
-            for s in samples:
-                if s.finish_reason is not None:
-                    continue
-                tok = host[s.index]
-                s.t_first = now if s.t_first is None else s.t_first
-                s.t_last = now
-                s.metrics.completion_tokens += 1
-                s.pending_ids.append(tok)
-                if tok in eos_ids and not params.ignore_eos:
-                    text, s.finish_reason = s.stop.feed(s.decoder.flush())[0] + s.stop.flush(), "stop"
-                else:
-                    text, hit = s.stop.feed(s.decoder.push(tok))
-                    if hit:
-                        s.finish_reason = "stop"
-                    elif last_step:
-                        text += s.stop.feed(s.decoder.flush())[0] + s.stop.flush()
-                        s.finish_reason = "length"
-                if text or s.finish_reason:
-                    s.metrics.finish_reason = s.finish_reason
-                    s.metrics.update_timing(t_start, s.t_first, s.t_last)
-                    yield GenerationEvent(s.index, text, s.pending_ids, s.finish_reason, replace(s.metrics))
-                    s.pending_ids = []
-            if all(s.finish_reason for s in samples):
+        for host, now in steps:
+            yield from text.feed(host, now)
+            if text.done:
                 return
-        for s in samples:  # the token side ended early (cancelled): close what is open
-            if s.finish_reason is None:
-                s.finish_reason = s.metrics.finish_reason = "cancelled"
-                yield GenerationEvent(s.index, "", s.pending_ids, "cancelled", replace(s.metrics))
+        yield from text.close()
     finally:
         close = getattr(steps, "close", None)
         if close is not None:

@@ -10,6 +10,7 @@ A Llama checkpoint is the same model with every layer reducing PRESENT (standard
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -443,15 +444,70 @@ class LaneModel(nn.Module):
         so no step holds more than chunk x S attention scores. Between chunks the request may be
         stopped (`should_stop()`, agreed across ranks by `comm`): then (None, None).
         """
+        steps = self.prefill_steps(ids, n, max_seq_len, chunk)
+        for done in steps:
+            if done is not None:
+                return done
+            if self.comm.agree_stop(should_stop):
+                steps.close()
+                return None, None
+        raise AssertionError("prefill_steps ended without a result")
+
+    def prefill_steps(self, ids: Tensor, n: int, max_seq_len: int, chunk: int = PREFILL_CHUNK):
+        """`prefill` one chunk at a time: yields None after each chunk but the last, then (logits [n, V],
+        cache). The chunks are the same however the steps are interleaved with other work, so a prompt
+        prefilled between other requests' decode steps gives exactly the cache it gets alone."""
         cache = self.new_cache(1, max_seq_len)
         S = ids.shape[1]
         h = None
         for a in range(0, S, chunk):
-            if a > 0 and self.comm.agree_stop(should_stop):
-                return None, None
-            h = self.hidden_states(ids[:, a:a + chunk], pos=a, cache=cache)
-        logits = self.head(h[:, :, -1:])[:, -1]
-        return logits.expand(n, -1), (cache.expand_batch(n) if n > 1 else cache)
+            if a > 0:
+                yield None
+            with torch.inference_mode():
+                h = self.hidden_states(ids[:, a:a + chunk], pos=a, cache=cache)
+        with torch.inference_mode():
+            logits = self.head(h[:, :, -1:])[:, -1]
+        yield logits.expand(n, -1), (cache.expand_batch(n) if n > 1 else cache)
+
+    def decode_groups(self, tokens: Tensor, groups: list[tuple[int, KVCache]]) -> Tensor:
+        """One decode step for several sequences that do not share a cache or a position (separate
+        requests): groups [(pos, cache)], cache i holding the next rows of tokens [B, 1] -> logits [B, V].
+
+        The projections and the MLP run over all B rows at once; attention runs per group, on the
+        group's own cache at its own position. On the low-bit one-lane path this is one C call, and a
+        row's logits are bit for bit those it gets alone; on float paths they agree within rounding
+        (the batched products sum in another order).
+        """
+        if len(groups) == 1:
+            return self.decode(tokens, *groups[0])
+        rows = [cache.batch for _, cache in groups]
+        if sum(rows) != tokens.shape[0]:
+            raise ValueError(f"caches of {sum(rows)} sequences cannot take {tokens.shape[0]} tokens")
+        for pos, cache in groups:
+            if pos + 1 > cache.max_seq_len:
+                raise ValueError(f"position {pos} is beyond the KV cache of {cache.max_seq_len} positions")
+        if self.fused_step is not None:
+            return self.fused_step.groups(tokens, groups)
+        cfg = self.cfg
+        B = tokens.shape[0]
+        h = F.embedding(tokens, self.embed).unsqueeze(0).expand(len(self.lanes), B, 1, cfg.hidden_size)
+        edges = [0, *itertools.accumulate(rows)]
+        per_group = []
+        for pos, cache in groups:
+            cos, sin = self.cos[pos:pos + 1], self.sin[pos:pos + 1]
+            where = {slots: (pos % slots if self.lowbit else torch.tensor([pos % slots], device=self.device),
+                             min(pos + 1, slots)) for slots in set(cache.slots)}
+            per_group.append((cache, cos, sin, where))
+        saved: dict = {}
+        for i, w in enumerate(self.layers):
+            parts = []
+            for (a, b), (cache, cos, sin, where) in zip(itertools.pairwise(edges), per_group):
+                slot, n = where[cache.slots[i]]
+                parts.append(self.attention_block(h[:, a:b].contiguous(), w.attn_norm, w.wqkv, w.wo, cache.k[i],
+                                                  cache.v[i], cos, sin, slot, n))
+            h = h + self.reduce(i, "attention", torch.cat(parts, dim=1), saved)
+            h = h + self.reduce(i, "mlp", self.mlp_block(h, w.ffn_norm, w.w13, w.w2), saved)
+        return self.head(h)[:, -1]
 
     def new_cache(self, batch: int, max_seq_len: int | None = None) -> KVCache:
         return KVCache(self.cfg, len(self.lanes), batch, max_seq_len or self.cfg.max_position_embeddings,

@@ -69,6 +69,26 @@ class LocalRunner:
     def pick(self, logits: Tensor, params: SamplingParams, generators) -> Tensor:
         return self.comm.pick(logits, params, generators)
 
+    # -- several requests at once (the scheduler's iteration-level batches) --
+    @property
+    def batchable(self) -> bool:
+        """Whether separate requests may share decode steps here: one process, no static step (the CUDA
+        graphs are captured for one request's cache)."""
+        return self.world_size == 1 and self.static is None and self.model is not None
+
+    def prefill_steps(self, ids: list[int], n: int, max_seq_len: int):
+        """One request's prefill, a chunk per step (see `LaneModel.prefill_steps`)."""
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        return self.model.prefill_steps(x, n, max_seq_len, chunk=self.runtime.prefill_chunk)
+
+    @torch.inference_mode()
+    def decode_groups(self, tokens: Tensor, groups: list) -> Tensor:
+        """One decode step for several requests: groups [(pos, cache)] -> logits [B, V]."""
+        t0 = time.perf_counter()
+        out = self.model.decode_groups(tokens, groups)
+        self.comm.note_step(t0, time.perf_counter())
+        return out
+
     # -- whole requests --
     def token_steps(self, ids: list[int], params: SamplingParams, seeds: list[int], eos_ids: set[int],
                     should_stop: Callable[[], bool] | None = None) -> Iterator[tuple[list[int], float]]:

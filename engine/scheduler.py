@@ -1,13 +1,26 @@
-"""The request scheduler: one worker thread runs requests one at a time, in arrival order.
+"""The request scheduler: iteration-level batching, latency first.
 
-Latency first: the running request has the whole engine (its n samples decode as one batch), so its
-TTFT and tokens/s are what it would get alone; later requests wait in a bounded FIFO. Generation is
-synchronous torch code, so it runs in this thread, never on the event loop; each event crosses over
-to the request's asyncio.Queue with one `call_soon_threadsafe`.
+One worker thread runs the engine. Where the engine's runner can put separate requests in one step
+(one process, no static CUDA step: `LocalRunner.batchable`), the worker runs iterations: at each step
+boundary finished or cancelled requests leave and waiting ones join; a joining prompt is prefilled a
+chunk at a time (at most `prefill_budget` prompt tokens per iteration), and then every decoding request
+gets one token in one shared forward (`engine.batch`). A request's tokens do not depend on who else is
+in the batch. Elsewhere (DTP ranks, the CUDA static step) requests run one at a time, in order.
 
-A request whose client went away is dropped if it is still waiting, or stopped at its next token if
-it runs (the engine polls `should_stop` once per decode step). A request running past the time limit
-is stopped the same way; the server reports it as finished by "length".
+Admission, stated as policy:
+- interactive requests (the default) join before batch ones (`priority="batch"`: pass@N jobs, evals),
+  each class in arrival order; a request that does not fit waits with its place in line;
+- at most `max_rows` rows decode per step (a request of n samples is n rows): on the CPU's low-bit
+  path 16, the most rows whose products keep the one-row arithmetic (bench/results/batching.json has
+  what a row costs);
+- batch requests leave `interactive_reserve` rows free, so an interactive request always joins at the
+  next step boundary;
+- the rows' KV caches together stay within the engine's KV budget.
+
+Generation is synchronous torch code, so it runs in this thread, never on the event loop; each event
+crosses over to the request's asyncio.Queue with one `call_soon_threadsafe`. A request whose client
+went away is dropped if it is still waiting, or stopped at the next step boundary if it runs; one
+running past the time limit is stopped the same way (the server reports it as finished by "length").
 """
 from __future__ import annotations
 
@@ -16,7 +29,6 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
@@ -27,6 +39,9 @@ from laneplay.engine.sampling import SamplingParams
 log = logging.getLogger("laneplay.engine")
 
 _DONE = object()  # end of a job's event stream
+PRIORITIES = ("interactive", "batch")
+MAX_ROWS = 16  # rows per decode step (see the module's policy)
+INTERACTIVE_RESERVE = 4  # rows batch requests leave free
 
 
 class QueueFull(Exception):
@@ -43,21 +58,30 @@ class Job:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     seq: int  # arrival order (1, 2, ...)
+    priority: str = "interactive"
     t_arrival: float = field(default_factory=time.perf_counter)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     start_seq: int | None = None  # order in which the worker started jobs
     t_start: float | None = None
-    cancelled: bool = False  # the client went away; plain bool: read once per token, set from the loop
+    cancelled: bool = False  # the client went away; plain bool: read once per step, set from the loop
     timed_out: bool = False
     outcome: str | None = None  # completed | cancelled | timeout | dropped | error
     finals: dict[int, GenerationMetrics] = field(default_factory=dict)  # sample index -> final metrics
     dtp: dict | None = None  # this request's DTP settings: {"collectives": str | None, "timeline": bool}
     collectives: str | None = None  # what it ran with ("delayed" | "wait_now"), when it asked
     timeline: dict | None = None  # its per-rank timeline, when it asked for one
+    # Sharing: decode steps this job took part in, the rows in them, and the other requests in the last one.
+    steps: int = 0
+    step_rows: int = 0
+    sharing: int = 0
 
     @property
     def queue_ms(self) -> float | None:
         return None if self.t_start is None else (self.t_start - self.t_arrival) * 1000
+
+    @property
+    def rows_per_step(self) -> float | None:
+        return self.step_rows / self.steps if self.steps else None
 
     def push(self, item) -> None:
         """Called from the worker thread: hand one event (or the end, or an error) to the event loop."""
@@ -77,14 +101,22 @@ class Job:
 
 class Scheduler:
     def __init__(self, engine, max_queue: int = 32, request_timeout_s: float = 600.0,
-                 on_finish: Callable[[Job], None] | None = None):
+                 on_finish: Callable[[Job], None] | None = None, max_rows: int = MAX_ROWS,
+                 interactive_reserve: int = INTERACTIVE_RESERVE, prefill_budget: int | None = None):
         self.engine = engine
         self.max_queue = max_queue
         self.request_timeout_s = request_timeout_s
         self.on_finish = on_finish  # metrics hook; called once per job, whatever its outcome
-        self.running: Job | None = None
+        self.batched = bool(getattr(getattr(engine, "runner", None), "batchable", False))
+        self.max_rows = max_rows if self.batched else 1
+        self.interactive_reserve = min(interactive_reserve, max_rows - 1)
+        runtime = getattr(engine, "runtime", None)
+        self.prefill_budget = prefill_budget or getattr(runtime, "prefill_chunk", 512)
+        self.kv_budget = getattr(runtime, "kv_budget_bytes", 0) or 0
+        self.on_step: Callable[[int, float], None] | None = None  # (rows, seconds) of each decode step
+        self.running: list[Job] = []
         self.mean_job_s = 1.0  # moving average of job duration, for Retry-After
-        self._waiting: deque[Job] = deque()
+        self._waiting: list[Job] = []  # in admission order: interactive first, each class by arrival
         self._cond = threading.Condition()
         self._arrivals = itertools.count(1)
         self._starts = itertools.count(1)
@@ -97,34 +129,43 @@ class Scheduler:
 
     @property
     def busy(self) -> bool:
-        return self.running is not None
+        return bool(self.running)
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._work, name="laneplay-scheduler", daemon=True)
+        target = self._work_batched if self.batched else self._work
+        self._thread = threading.Thread(target=target, name="laneplay-scheduler", daemon=True)
         self._thread.start()
 
     def close(self, timeout: float | None = 10.0) -> None:
-        """Drop waiting jobs, stop the running one at its next token, and wait for the worker (timeout 0:
-        don't wait). Safe to call more than once."""
+        """Drop waiting jobs, stop the running ones at their next step, and wait for the worker
+        (timeout 0: don't wait). Safe to call more than once."""
         with self._cond:
             self._closed = True
-            waiting, self._waiting = list(self._waiting), deque()
-            if self.running is not None:
-                self.running.cancelled = True
+            waiting, self._waiting = list(self._waiting), []
+            for job in self.running:
+                job.cancelled = True
             self._cond.notify_all()
         for job in waiting:
             self._drop(job)
         if self._thread is not None and timeout != 0:
             self._thread.join(timeout)
 
-    def submit(self, ids: list[int], params: SamplingParams, dtp: dict | None = None) -> Job:
+    def submit(self, ids: list[int], params: SamplingParams, dtp: dict | None = None,
+               priority: str = "interactive") -> Job:
         """Queue a validated request (call from the event loop); raises QueueFull when the queue is full.
-        `dtp`: the request's own DTP settings (`Engine.request_settings`), applied while it runs."""
+        `dtp`: the request's own DTP settings (`Engine.request_settings`), applied while it runs;
+        `priority`: "interactive" or "batch" (joins only where interactive requests leave room)."""
+        if priority not in PRIORITIES:
+            raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, got {priority!r}")
         with self._cond:
             if self._closed or len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"the engine queue is full ({self.max_queue} requests waiting); retry later")
-            job = Job(ids, params, asyncio.get_running_loop(), seq=next(self._arrivals), dtp=dtp)
-            self._waiting.append(job)
+            job = Job(ids, params, asyncio.get_running_loop(), seq=next(self._arrivals), dtp=dtp, priority=priority)
+            if priority == "interactive":  # ahead of every waiting batch job, behind interactive ones
+                at = next((i for i, j in enumerate(self._waiting) if j.priority == "batch"), len(self._waiting))
+                self._waiting.insert(at, job)
+            else:
+                self._waiting.append(job)
             self._cond.notify()
         return job
 
@@ -137,15 +178,42 @@ class Scheduler:
             try:
                 self._waiting.remove(job)
             except ValueError:
-                return  # running: the worker sees the flag at the next token
+                return  # running: the worker sees the flag at the next step boundary
         self._drop(job)
+
+    def position(self, job: Job) -> int | None:
+        """1 for the next job to start, 2 after it, ...; None when the job is not waiting."""
+        with self._cond:
+            try:
+                return self._waiting.index(job) + 1
+            except ValueError:
+                return None
 
     def _drop(self, job: Job) -> None:
         job.outcome = "dropped"
         job.push(_DONE)
-        if self.on_finish:
-            self.on_finish(job)
+        self._finished(job)
 
+    def _finished(self, job: Job) -> None:
+        if self.on_finish:
+            try:
+                self.on_finish(job)
+            except Exception:  # metrics must never take the worker down
+                log.exception("on_finish failed")
+
+    def _begin(self, job: Job) -> None:
+        job.t_start, job.start_seq = time.perf_counter(), next(self._starts)
+        job.push(STARTED)
+
+    def _end(self, job: Job, outcome: str, locked: bool = False) -> None:
+        job.outcome = outcome
+        with nullcontext() if locked else self._cond:
+            self.running.remove(job)
+        self.mean_job_s = 0.8 * self.mean_job_s + 0.2 * (time.perf_counter() - job.t_start) / max(1, len(self.running) + 1)
+        job.push(_DONE)
+        self._finished(job)
+
+    # ---- one request at a time (DTP ranks, the CUDA static step) ----
     def _work(self) -> None:
         while True:
             with self._cond:
@@ -153,30 +221,12 @@ class Scheduler:
                     self._cond.wait()
                 if self._closed:
                     return
-                job = self.running = self._waiting.popleft()
-            try:
-                self._run(job)
-            finally:
-                with self._cond:
-                    self.running = None
-                self.mean_job_s = 0.8 * self.mean_job_s + 0.2 * (time.perf_counter() - job.t_start)
-                if self.on_finish:
-                    try:
-                        self.on_finish(job)
-                    except Exception:  # metrics must never take the worker down
-                        log.exception("on_finish failed")
-
-    def position(self, job: Job) -> int | None:
-        """1 for the next job to run, 2 after it, ...; None when the job is not waiting."""
-        with self._cond:
-            try:
-                return self._waiting.index(job) + 1
-            except ValueError:
-                return None
+                job = self._waiting.pop(0)
+                self.running.append(job)
+            self._run(job)
 
     def _run(self, job: Job) -> None:
-        job.t_start, job.start_seq = time.perf_counter(), next(self._starts)
-        job.push(STARTED)
+        self._begin(job)
         deadline = job.t_start + self.request_timeout_s
 
         def should_stop() -> bool:
@@ -203,8 +253,103 @@ class Scheduler:
                     job.push(last)
         except Exception as e:
             log.exception("generation failed")
-            job.outcome = "error"
             job.push(e)
+            self._end(job, "error")
             return
-        job.outcome = ("timeout" if job.timed_out else "cancelled") if stopped else "completed"
-        job.push(_DONE)
+        self._end(job, ("timeout" if job.timed_out else "cancelled") if stopped else "completed")
+
+    # ---- iteration-level batches ----
+    def _admit(self, seqs: dict) -> None:
+        """Move waiting jobs that fit into the batch, in admission order (called under the lock). The
+        head of the line that does not fit waits, and nothing behind it jumps ahead."""
+        from laneplay.engine.batch import Sequence, kv_need
+
+        rows = sum(j.params.n for j in self.running)
+        kv = sum(s.kv_bytes for s in seqs.values())
+        while self._waiting:
+            job = self._waiting[0]
+            cap = self.max_rows - (self.interactive_reserve if job.priority == "batch" else 0)
+            need = kv_need(self.engine, job.ids, job.params)
+            if self.running and (rows + job.params.n > cap or (self.kv_budget and kv + need > self.kv_budget)):
+                return
+            self._waiting.pop(0)
+            self.running.append(job)
+            self._begin(job)
+            try:
+                seqs[job] = Sequence(self.engine, job.ids, job.params, job.t_start)
+            except Exception as e:
+                log.exception("generation failed")
+                job.push(e)
+                self._end(job, "error", locked=True)
+                continue
+            rows += job.params.n
+            kv += need
+
+    def _work_batched(self) -> None:
+        seqs: dict[Job, object] = {}  # running job -> its Sequence
+        while True:
+            with self._cond:
+                while not self._waiting and not self.running and not self._closed:
+                    self._cond.wait()
+                if self._closed and not self.running:
+                    return
+                if not self._closed:
+                    self._admit(seqs)
+            try:
+                self._iterate(seqs)
+            except Exception as e:  # an engine failure ends the requests in the batch, never the worker
+                log.exception("generation failed")
+                for job in list(seqs):
+                    seqs.pop(job).cancel()
+                    job.push(e)
+                    self._end(job, "error")
+
+    def _iterate(self, seqs: dict) -> None:
+        """One step boundary: stopped requests leave, prompts advance, every decoding row gets a token."""
+        self._leave(seqs)
+        budget = self.prefill_budget
+        for job, seq in list(seqs.items()):  # prompts, a chunk at a time, within the budget
+            if not seq.prefilling or budget <= 0:
+                continue
+            budget -= min(len(job.ids), self.engine.runtime.prefill_chunk)
+            self._emit(job, seq.prefill_chunk())
+            if seq.finished:
+                self._complete(job, seqs)
+        self._leave(seqs)  # a stop that came during the prompts ends before the next token, as alone
+        decoding = [(j, s) for j, s in seqs.items() if not s.prefilling and not s.finished]
+        if not decoding:
+            return
+        from laneplay.engine.batch import decode_step
+
+        t0 = time.perf_counter()
+        events = decode_step(self.engine.runner, [s for _, s in decoding])
+        rows = sum(s.n for _, s in decoding)
+        if self.on_step:
+            self.on_step(rows, time.perf_counter() - t0)
+        for (job, seq), evs in zip(decoding, events):
+            job.steps += 1
+            job.step_rows += rows
+            job.sharing = len(seqs) - 1
+            self._emit(job, evs)
+            if seq.finished:
+                self._complete(job, seqs)
+
+    def _leave(self, seqs: dict) -> None:
+        """Cancelled and timed-out requests leave the batch (their open samples end "cancelled")."""
+        now = time.perf_counter()
+        for job, seq in list(seqs.items()):
+            if seq.chunks and now > job.t_start + self.request_timeout_s:  # as alone: checked once work began
+                job.timed_out = True
+            if job.cancelled or job.timed_out:
+                self._emit(job, seqs.pop(job).cancel())
+                self._end(job, "timeout" if job.timed_out else "cancelled")
+
+    def _emit(self, job: Job, events) -> None:
+        for ev in events:
+            if ev.finish_reason:
+                job.finals[ev.sample_index] = ev.metrics
+            job.push(ev)
+
+    def _complete(self, job: Job, seqs: dict) -> None:
+        seqs.pop(job)
+        self._end(job, "completed")

@@ -41,7 +41,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from laneplay.engine.sampling import SAMPLE_KEYS, SamplingParams
-from laneplay.engine.scheduler import STARTED, Job, QueueFull, Scheduler
+from laneplay.engine.scheduler import MAX_ROWS, PRIORITIES, STARTED, Job, QueueFull, Scheduler
 
 DEFAULT_MAX_TOKENS = 256  # when the request names none (capped by what the context has left)
 MAX_BODY_BYTES = 4 << 20
@@ -93,6 +93,7 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     dtp: dict | None = None  # the "laneplay" extension: {"collectives": str | None, "timeline": bool}
+    priority: str = "interactive"  # the "laneplay" extension's "priority": "interactive" | "batch"
 
 
 def parse_request(body, chat: bool) -> ParsedRequest:
@@ -132,11 +133,24 @@ def parse_request(body, chat: bool) -> ParsedRequest:
         stream=_field(body, "stream", _BOOL, False),
         include_usage=_field(options, "include_usage", _BOOL, False, param="stream_options.include_usage"),
         dtp=_dtp_settings(body),
+        priority=_priority(body),
     )
 
 
 COLLECTIVES = ("delayed", "wait_now")
 _DTP_KEYS = ("collectives", "timeline")
+_EXT_KEYS = (*_DTP_KEYS, "priority")
+
+
+def _priority(body: dict) -> str:
+    """The "laneplay" extension's scheduling class: "interactive" (the default) or "batch" (joins the
+    engine's batch only where interactive requests leave room: pass@N jobs, evals)."""
+    ext = _field(body, "laneplay", _OBJ) or {}
+    priority = _field(ext, "priority", _STR, "interactive", param="laneplay.priority")
+    if priority not in PRIORITIES:
+        raise APIError(400, f"'laneplay.priority' must be \"interactive\" or \"batch\", got {json.dumps(priority)}.",
+                       "laneplay.priority", "invalid_value")
+    return priority
 
 
 def _dtp_settings(body: dict) -> dict | None:
@@ -144,10 +158,10 @@ def _dtp_settings(body: dict) -> dict | None:
     ext = _field(body, "laneplay", _OBJ)
     if ext is None:
         return None
-    unknown = sorted(set(ext) - set(_DTP_KEYS))
+    unknown = sorted(set(ext) - set(_EXT_KEYS))
     if unknown:
         raise APIError(400, f"'laneplay.{unknown[0]}' is not a setting of the 'laneplay' object; allowed: "
-                            f"{', '.join(_DTP_KEYS)}.", f"laneplay.{unknown[0]}", "unknown_parameter")
+                            f"{', '.join(_EXT_KEYS)}.", f"laneplay.{unknown[0]}", "unknown_parameter")
     collectives = _field(ext, "collectives", _STR, param="laneplay.collectives")
     if collectives is not None and collectives not in COLLECTIVES:
         raise APIError(400, f"'laneplay.collectives' must be \"delayed\" or \"wait_now\", got "
@@ -256,7 +270,8 @@ def request_timing(job: Job) -> dict:
             tps = sum(m.completion_tokens - 1 for m in timed) / ((total - ttft) / 1000)
             step_ms = (total - ttft) / steps
     return {"ttft_ms": _ms(ttft), "decode_tokens_per_second": _ms(tps), "ms_per_token": _ms(step_ms),
-            "total_ms": _ms(total), "queue_ms": _ms(job.queue_ms), "request_seq": job.seq, "start_seq": job.start_seq}
+            "total_ms": _ms(total), "queue_ms": _ms(job.queue_ms), "request_seq": job.seq, "start_seq": job.start_seq,
+            "priority": job.priority, "rows_per_step": _ms(job.rows_per_step), "shared_with": job.sharing}
 
 
 class Reply:
@@ -315,7 +330,7 @@ async def stream_reply(reply: Reply, n: int, include_usage: bool, scheduler: Sch
     """SSE chunks of one streamed request. Before the first chunk, SSE comments (which OpenAI clients
     skip) say where the request is: `: laneplay queued <position>` while it waits for the engine, then
     `: laneplay running` when the engine takes it."""
-    started, finished, error = set(), 0, None
+    started, finished, error, sharing = set(), 0, None, 0
     position = scheduler.position(reply.job) if scheduler is not None else None
     if position is not None:
         yield f": laneplay queued {position}\n\n"
@@ -324,6 +339,9 @@ async def stream_reply(reply: Reply, n: int, include_usage: bool, scheduler: Sch
             if ev is STARTED:
                 yield ": laneplay running\n\n"
                 continue
+            if reply.job.sharing != sharing:  # how many other requests share the engine's steps now
+                sharing = reply.job.sharing
+                yield f": laneplay sharing {sharing}\n\n"
             reason = _api_reason(ev.finish_reason)
             chunk = reply.chunk(ev.sample_index, ev.text, reason, first=ev.sample_index not in started)
             started.add(ev.sample_index)
@@ -412,6 +430,19 @@ class ServerMetrics:
         depth.set_function(lambda: scheduler.depth)
         busy = Gauge("laneplay_busy", "1 while a request is generating", registry=r)
         busy.set_function(lambda: int(scheduler.busy))
+        running = Gauge("laneplay_running_requests", "Requests in the engine's batch", registry=r)
+        running.set_function(lambda: len(scheduler.running))
+        self.step_rows = Histogram("laneplay_rows_per_step", "Rows (samples of all requests) in each decode step",
+                                   registry=r, buckets=(1, 2, 3, 4, 6, 8, 12, 16))
+        self.step_time = Histogram("laneplay_time_between_tokens_seconds", "Duration of each decode step: the "
+                                   "time between two tokens of every row in it", registry=r,
+                                   buckets=(.001, .0025, .005, .01, .02, .04, .08, .16, .32, .64, 1.28))
+        scheduler.on_step = self.observe_step
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """Called by the worker after each shared decode step."""
+        self.step_rows.observe(rows)
+        self.step_time.observe(seconds)
 
     def observe(self, job: Job) -> None:
         """Called once per job (from the worker thread, or the event loop for dropped jobs)."""
@@ -477,12 +508,13 @@ async def _read_json(request: Request):
 
 
 def create_app(engine, *, api_key: str | None = None, max_queue: int = 32, request_timeout_s: float = 600.0,
-               model_name: str | None = None) -> FastAPI:
-    """The HTTP app around a loaded engine. The caller owns the engine (the app never closes it)."""
+               model_name: str | None = None, max_rows: int = MAX_ROWS) -> FastAPI:
+    """The HTTP app around a loaded engine. The caller owns the engine (the app never closes it).
+    max_rows: rows per shared decode step (1: requests run one at a time)."""
     served = model_name or engine.model_name
     names = {served, engine.model_name}  # the request's "model" may be either, or omitted
     context = engine.cfg.max_position_embeddings
-    scheduler = Scheduler(engine, max_queue=max_queue, request_timeout_s=request_timeout_s)
+    scheduler = Scheduler(engine, max_queue=max_queue, request_timeout_s=request_timeout_s, max_rows=max_rows)
     metrics = ServerMetrics(scheduler)
     scheduler.on_finish = metrics.observe
     started = int(time.time())
@@ -540,7 +572,7 @@ def create_app(engine, *, api_key: str | None = None, max_queue: int = 32, reque
         if not req.max_tokens_given:
             params.max_tokens = min(DEFAULT_MAX_TOKENS, context - len(ids))
         try:
-            job = scheduler.submit(ids, params, dtp=req.dtp)
+            job = scheduler.submit(ids, params, dtp=req.dtp, priority=req.priority)
         except QueueFull as e:
             retry = str(max(1, math.ceil(scheduler.mean_job_s)))
             raise APIError(429, str(e), code="queue_full", type="rate_limit_error",
@@ -570,7 +602,7 @@ def create_app(engine, *, api_key: str | None = None, max_queue: int = 32, reque
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": served, "queue_depth": scheduler.depth, "busy": scheduler.busy,
-                "max_queue": scheduler.max_queue, "device": str(engine.device), "dtype": engine_dtype(engine),
+                "running": len(scheduler.running), "max_rows": scheduler.max_rows, "max_queue": scheduler.max_queue, "device": str(engine.device), "dtype": engine_dtype(engine),
                 "world_size": getattr(engine, "world_size", 1), "context_length": context,
                 "model_config": model_config}
 

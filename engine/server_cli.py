@@ -24,11 +24,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: $LANEPLAY_API_KEY)")
     p.add_argument("--max-queue", type=int, default=32, help="requests waiting beyond this get 429")
+    p.add_argument("--max-rows", type=int, default=16,
+                   help="rows (samples of all running requests) per shared decode step; 1 runs requests one at a "
+                        "time (DTP and the CUDA static step always do)")
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request may generate before it ends with finish_reason 'length'")
     p.add_argument("--kv-budget-gb", type=float, default=None,
-                   help="the most KV cache one request may reserve, in GiB; larger requests get a 400 "
-                        "(default: a fifth of RAM on CPU, 40%% of the GPU on CUDA)")
+                   help="the most KV cache the running requests may reserve together, in GiB; a request "
+                        "waits until its cache fits, and one larger than the budget gets a 400 (default: a fifth of RAM on CPU, 40%% of the GPU on CUDA)")
     p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly (default: compiled on CPU at world size 1)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="CUDA: decode through LaneModel.decode instead of the static step captured as CUDA graphs")
@@ -42,8 +45,9 @@ def run(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("laneplay.engine")
     api_key = args.api_key or os.environ.get("LANEPLAY_API_KEY") or None
-    if args.max_queue < 0 or args.request_timeout <= 0:
-        print("laneplay engine: --max-queue must be >= 0 and --request-timeout > 0", file=sys.stderr)
+    if args.max_queue < 0 or args.request_timeout <= 0 or not 1 <= args.max_rows <= 64:
+        print("laneplay engine: --max-queue must be >= 0, --request-timeout > 0 and --max-rows in [1, 64]",
+              file=sys.stderr)
         return 2
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("listening on %s without an API key: anyone who can reach it can use the engine", args.host)
@@ -66,7 +70,7 @@ def run(args) -> int:
             pass
         name = args.served_model_name or (None if Path(args.model).expanduser().exists() else args.model)
         app = create_app(eng, api_key=api_key, max_queue=args.max_queue, request_timeout_s=args.request_timeout,
-                         model_name=name)
+                         max_rows=args.max_rows, model_name=name)
         log.info("serving %s on http://%s:%d (%s x%d)", name or eng.model_name, args.host, args.port,
                  args.device, args.world_size)
         serve(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -901,8 +901,8 @@ static double now_ms(void) {
     return ts.tv_sec * 1e3 + ts.tv_nsec * 1e-6;
 }
 
-/* A step's attention in one layer at position pos: c is the layer's cache row (k, v, slots); the token
- * goes to slot pos % slots and sees min(pos + 1, slots) slots. */
+/* A step's attention in one layer for one group of rows at position pos: c is the group's cache row
+ * for the layer (k, v, slots); the token goes to slot pos % slots and sees min(pos + 1, slots) slots. */
 static attend_t step_attention(const int64_t *c, int64_t B, int64_t hq, int64_t hkv, int64_t hd, int64_t pos,
                                float *qkv, float *o, const float *cos, const float *sin) {
     attend_t at = {B, hq, hkv, hd, c[2], pos % c[2], pos + 1 < c[2] ? pos + 1 : c[2], qkv,
@@ -910,34 +910,67 @@ static attend_t step_attention(const int64_t *c, int64_t B, int64_t hq, int64_t 
     return at;
 }
 
-/* step(plan, layers, cache, B, hq, hkv, hd, h, cos, sin, pos, head, norm, logits, eps)
+/* One group of a step: `rows` consecutive rows of h that share a KV cache and a position (one
+ * request's samples). groups: int64 [G, GROUP]. */
+enum { GR_ROWS = 0, GR_POS = 1, GR_COS = 2, GR_SIN = 3, GR_CACHE = 4, GROUP = 5 };
+
+static attend_t group_attention(const int64_t *gr, int64_t layer, int64_t hq, int64_t hkv, int64_t hd, float *qkv,
+                                float *o) {
+    const int64_t *c = (const int64_t *)(intptr_t)gr[GR_CACHE] + layer * 3;
+    return step_attention(c, gr[GR_ROWS], hq, hkv, hd, gr[GR_POS], qkv, o, (const float *)(intptr_t)gr[GR_COS],
+                          (const float *)(intptr_t)gr[GR_SIN]);
+}
+
+/* step(plan, layers, groups, G, hq, hkv, hd, h, head, norm, logits, eps)
  * plan: int64 [layers, PLAN]: attn_norm, wqkv (fmt, L, N, K, Kp, qs, d, m), wo (...), ffn_norm, w13, w2;
- * cache: int64 [layers, 3]: k, v, slots; h: float32 [B, D], the residual (updated in place);
- * cos/sin: this position's [hd/2]; head: int64 [8] (as a weight in plan), norm: the final norm;
- * logits: float32 [B, V]. */
+ * groups: int64 [G, GROUP]: each group's row count, position, cos/sin of that position ([hd/2] each)
+ * and KV cache (int64 [layers, 3]: k, v, slots; the cache holds exactly the group's rows);
+ * h: float32 [B, D] (B = all groups' rows, in group order), the residual (updated in place);
+ * head: int64 [8] (as a weight in plan), norm: the final norm; logits: float32 [B, V].
+ * The products run over all B rows at once (each row's result is the one it gets alone); the
+ * attention runs per group, cut exactly as it is for that group alone. */
 static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t a[14];
-    if (args_i64(args, nargs - 1, 14, a) < 0) return NULL;
-    double eps = PyFloat_AsDouble(args[14]);
+    int64_t a[11];
+    if (args_i64(args, nargs - 1, 11, a) < 0) return NULL;
+    double eps = PyFloat_AsDouble(args[11]);
     if (eps == -1.0 && PyErr_Occurred()) return NULL;
-    const int64_t *plan = (const int64_t *)(intptr_t)a[0], *cache = (const int64_t *)(intptr_t)a[2];
-    int64_t layers = a[1], B = a[3], hq = a[4], hkv = a[5], hd = a[6], pos = a[10];
+    const int64_t *plan = (const int64_t *)(intptr_t)a[0], *groups = (const int64_t *)(intptr_t)a[2];
+    int64_t layers = a[1], G = a[3], hq = a[4], hkv = a[5], hd = a[6], B = 0;
     float *h = (float *)(intptr_t)a[7];
-    const float *cos = (const float *)(intptr_t)a[8], *sin = (const float *)(intptr_t)a[9];
-    const packed_t head = packed_from((const int64_t *)(intptr_t)a[11]);
-    const float *norm = (const float *)(intptr_t)a[12];
-    float *logits = (float *)(intptr_t)a[13];
+    const packed_t head = packed_from((const int64_t *)(intptr_t)a[8]);
+    const float *norm = (const float *)(intptr_t)a[9];
+    float *logits = (float *)(intptr_t)a[10];
+    if (G < 1) {
+        PyErr_SetString(PyExc_ValueError, "step: no groups");
+        return NULL;
+    }
+    for (int64_t g = 0; g < G; g++) {
+        const int64_t *gr = groups + g * GROUP;
+        if (gr[GR_ROWS] < 1 || gr[GR_POS] < 0 || !gr[GR_CACHE] || !gr[GR_COS] || !gr[GR_SIN]) {
+            PyErr_Format(PyExc_ValueError, "step: group %lld is malformed", (long long)g);
+            return NULL;
+        }
+        B += gr[GR_ROWS];
+    }
     int nthreads = omp_get_max_threads();
     int64_t qkv_w = 0, o_w = 0, u_w = 0;
     size_t act = act_bytes(&head, B, PRE_RMSNORM, nthreads, NULL), att = 0;
     for (int64_t i = 0; i < layers; i++) {
-        const int64_t *p = plan + i * PLAN, *c = cache + i * 3;
-        attend_t at = c[2] >= 1 ? step_attention(c, B, hq, hkv, hd, pos, NULL, NULL, cos, sin) : (attend_t){0};
+        const int64_t *p = plan + i * PLAN;
         if (p[PL_WQKV + 2] != (hq + 2 * hkv) * hd || p[PL_WO + 3] != hq * hd || p[PL_W2 + 3] * 2 != p[PL_W13 + 2]
-            || p[PL_WQKV + 1] != 1 || p[PL_WO + 1] != 1 || p[PL_W13 + 1] != 1 || p[PL_W2 + 1] != 1
-            || !attend_args_ok(hq, hkv, at.slots, at.slot, at.nvis)) {
+            || p[PL_WQKV + 1] != 1 || p[PL_WO + 1] != 1 || p[PL_W13 + 1] != 1 || p[PL_W2 + 1] != 1) {
             PyErr_Format(PyExc_ValueError, "step: layer %lld does not fit the plan", (long long)i);
             return NULL;
+        }
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t *c = (const int64_t *)(intptr_t)groups[g * GROUP + GR_CACHE] + i * 3;
+            attend_t at = c[2] >= 1 ? group_attention(groups + g * GROUP, i, hq, hkv, hd, NULL, NULL) : (attend_t){0};
+            if (!attend_args_ok(hq, hkv, at.slots, at.slot, at.nvis)) {
+                PyErr_Format(PyExc_ValueError, "step: layer %lld of group %lld does not fit the plan", (long long)i,
+                             (long long)g);
+                return NULL;
+            }
+            att = max_size(att, attend_cut(&at, nthreads).floats);
         }
         qkv_w = p[PL_WQKV + 2] > qkv_w ? p[PL_WQKV + 2] : qkv_w;
         o_w = p[PL_WO + 3] > o_w ? p[PL_WO + 3] : o_w;
@@ -948,7 +981,6 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         act = max_size(act, act_bytes(&wo, B, PRE_NONE, nthreads, NULL));
         act = max_size(act, act_bytes(&w13, B, PRE_RMSNORM, nthreads, NULL));
         act = max_size(act, act_bytes(&w2, B, PRE_SWIGLU, nthreads, NULL));
-        att = max_size(att, attend_cut(&at, nthreads).floats);
     }
     size_t fbytes = sizeof(float) * (size_t)(B * (qkv_w + o_w + u_w) + att);
     int8_t *buf = (int8_t *)aligned_alloc(64, (act + fbytes + 63) / 64 * 64);
@@ -964,16 +996,18 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     {
         int tid = omp_get_thread_num(), nth = omp_get_num_threads();
         for (int64_t i = 0; i < layers; i++) {
-            const int64_t *p = plan + i * PLAN, *c = cache + i * 3;
+            const int64_t *p = plan + i * PLAN;
             packed_t wqkv = packed_from(p + PL_WQKV), wo = packed_from(p + PL_WO);
             packed_t w13 = packed_from(p + PL_W13), w2 = packed_from(p + PL_W2);
             act_t aq = act_at(buf, &wqkv, B, PRE_RMSNORM, nthreads), ao = act_at(buf, &wo, B, PRE_NONE, nthreads);
             act_t au = act_at(buf, &w13, B, PRE_RMSNORM, nthreads), ad = act_at(buf, &w2, B, PRE_SWIGLU, nthreads);
-            attend_t at = step_attention(c, B, hq, hkv, hd, pos, qkv, o, cos, sin);
-            attend_cut_t cut = attend_cut(&at, nthreads);
             linear_team(&wqkv, B, h, qkv, PRE_RMSNORM, (const float *)(intptr_t)p[PL_ANORM], 0, e, 0, &aq, tid, nth,
                         &team);
-            attend_team(&at, &cut, scratch, tid, nth, &team);
+            for (int64_t g = 0, r0 = 0; g < G; r0 += groups[g * GROUP + GR_ROWS], g++) {
+                attend_t at = group_attention(groups + g * GROUP, i, hq, hkv, hd, qkv + r0 * qkv_w, o + r0 * o_w);
+                attend_cut_t cut = attend_cut(&at, nthreads);
+                attend_team(&at, &cut, scratch, tid, nth, &team);
+            }
             linear_team(&wo, B, o, h, PRE_NONE, NULL, 0, e, 1, &ao, tid, nth, &team);
             linear_team(&w13, B, h, u, PRE_RMSNORM, (const float *)(intptr_t)p[PL_FNORM], 0, e, 0, &au, tid, nth,
                         &team);
@@ -1044,7 +1078,7 @@ static PyMethodDef METHODS[] = {
     {"attend", (PyCFunction)(void (*)(void))py_attend, METH_FASTCALL,
      "attend(N, hq, hkv, hd, qkv, cos, sin, kc, vc, slots, slot, nvis, out)"},
     {"step", (PyCFunction)(void (*)(void))py_step, METH_FASTCALL,
-     "step(plan, layers, cache, B, hq, hkv, hd, h, cos, sin, pos, head, norm, logits, eps)"},
+     "step(plan, layers, groups, G, hq, hkv, hd, h, head, norm, logits, eps)"},
     {"kernel", py_kernel, METH_NOARGS, "the dot-product kernel in use"},
     {"step_threads", py_step_threads, METH_O, "step_threads(n): pin (n >= 1) or free (0) a step's threads"},
     {"activation_bits", py_activation_bits, METH_O, "activation_bits(8 | 16 | 0) -> the previous setting"},

@@ -258,7 +258,7 @@ class DecodeStep:
         self.head = torch.tensor(model.head_weight.desc(), dtype=torch.int64)
         self.vocab = model.head_weight.rows
         self.layers = len(rows)
-        self._memo = None
+        self._tables = weakref.WeakKeyDictionary()  # cache -> its table
 
     def _norm(self, t: Tensor) -> Tensor:
         t = t.detach().reshape(-1).float().contiguous()
@@ -276,27 +276,37 @@ class DecodeStep:
                 and all(w.wqkv.lanes == w.wo.lanes == w.w13.lanes == w.w2.lanes == 1 for w in model.layers))
 
     def _table(self, cache) -> Tensor:
-        memo = self._memo  # (the cache, its table), read and replaced whole: safe across threads
-        if memo is None or memo[0]() is not cache:  # the cache's buffers, once per cache
+        """The cache's buffers as the C step reads them, made once per cache (and forgotten with it)."""
+        table = self._tables.get(cache)
+        if table is None:
             for k, v in zip(cache.k, cache.v):
                 if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in (k, v)):
                     raise ValueError("the low-bit step needs a contiguous float32 CPU cache")
-            memo = (weakref.ref(cache), torch.tensor([[k.data_ptr(), v.data_ptr(), s] for k, v, s in
-                                                      zip(cache.k, cache.v, cache.slots)], dtype=torch.int64))
-            self._memo = memo
-        return memo[1]
+            table = torch.tensor([[k.data_ptr(), v.data_ptr(), s] for k, v, s in zip(cache.k, cache.v, cache.slots)],
+                                 dtype=torch.int64)
+            self._tables[cache] = table
+        return table
 
     def __call__(self, tokens: Tensor, pos: int, cache) -> Tensor:
         """tokens [B, 1] at position pos -> logits [B, V]; writes this position into the cache."""
+        return self.groups(tokens, [(pos, cache)])
+
+    def groups(self, tokens: Tensor, groups: list) -> Tensor:
+        """One step for several sequences at once: groups [(pos, cache)], each cache holding its own
+        rows of tokens [B, 1] (in group order) at its own position -> logits [B, V]. The products run
+        over all B rows; each group's attention is the one it runs alone, so a row's logits do not
+        depend on the other groups."""
         B = tokens.shape[0]
-        if cache.k[0].shape[0] != B:
-            raise ValueError(f"a cache of {cache.k[0].shape[0]} sequences cannot take {B} tokens")
-        table = self._table(cache)
+        rows = [cache.k[0].shape[0] for _, cache in groups]
+        if sum(rows) != B:
+            raise ValueError(f"caches of {sum(rows)} sequences cannot take {B} tokens")
+        table = torch.tensor([[n, pos, self.cos[pos].data_ptr(), self.sin[pos].data_ptr(),
+                               self._table(cache).data_ptr()] for n, (pos, cache) in zip(rows, groups)],
+                             dtype=torch.int64)
         h = torch.nn.functional.embedding(tokens.reshape(B), self.embed).float().contiguous()
         logits = torch.empty(B, self.vocab, dtype=torch.float32)
-        _lowbit.step(self.plan.data_ptr(), self.layers, table.data_ptr(), B, self.hq, self.hkv, self.hd,
-                     h.data_ptr(), self.cos[pos].data_ptr(), self.sin[pos].data_ptr(), pos, self.head.data_ptr(),
-                     self.norm.data_ptr(), logits.data_ptr(), self.eps)
+        _lowbit.step(self.plan.data_ptr(), self.layers, table.data_ptr(), len(groups), self.hq, self.hkv, self.hd,
+                     h.data_ptr(), self.head.data_ptr(), self.norm.data_ptr(), logits.data_ptr(), self.eps)
         return logits
 
 

@@ -143,17 +143,27 @@ def test_stop_strings_end_the_text(client, default_engine, greedy):
 
 # ---- scheduling ----------------------------------------------------------------------------------
 class GatedEngine:
-    """The default engine, except that generate() waits for the gate: the queue fills deterministically."""
+    """The default engine, except that a request's prefill waits for the gate: the queue fills
+    deterministically."""
 
     def __init__(self, eng):
         self._eng, self.gate = eng, threading.Event()
+        self.runner = GatedRunner(eng.runner, self.gate)
 
     def __getattr__(self, name):
         return getattr(self._eng, name)
 
-    def generate(self, *args, **kwargs):
+
+class GatedRunner:
+    def __init__(self, runner, gate):
+        self._runner, self.gate = runner, gate
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+    def prefill_steps(self, *args, **kwargs):
         assert self.gate.wait(120), "the test never opened the gate"
-        return self._eng.generate(*args, **kwargs)
+        yield from self._runner.prefill_steps(*args, **kwargs)
 
 
 FIFO_PROMPT = "# A list of fruits:\n"
@@ -206,8 +216,8 @@ async def _aiter_sse(response):
 
 
 def test_twenty_clients_served_in_arrival_order_and_the_next_gets_429(default_engine):
-    gated = GatedEngine(default_engine)
-    with serve(create_app(gated, max_queue=20, model_name=MODEL)) as url:
+    gated = GatedEngine(default_engine)  # one row per step: the engine takes one request at a time
+    with serve(create_app(gated, max_queue=20, model_name=MODEL, max_rows=1)) as url:
         full, results, metrics = asyncio.run(_fill_queue_then_serve(url, gated))
     assert full.status_code == 429 and int(full.headers["retry-after"]) >= 1
     assert full.json()["error"]["code"] == "queue_full"
@@ -268,11 +278,15 @@ def test_shutdown_ends_open_streams_cleanly(default_engine):
 
 
 class FailingEngine(GatedEngine):
-    def generate(self, *args, **kwargs):
-        def events():
-            raise RuntimeError("the device fell over")
-            yield
-        return events()
+    def __init__(self, eng):
+        super().__init__(eng)
+        self.runner = FailingRunner(eng.runner, self.gate)
+
+
+class FailingRunner(GatedRunner):
+    def prefill_steps(self, *args, **kwargs):
+        raise RuntimeError("the device fell over")
+        yield
 
 
 def test_engine_failure_is_an_error_not_a_hang(default_engine):
@@ -419,8 +433,12 @@ def test_a_client_leaving_during_a_long_prefill_frees_the_engine_within_one_chun
     assert waited - served < 2 * t_chunk + 1.0  # not the ~8 chunks of prefill that were left
 
 
-def test_a_waiting_stream_says_queued_then_running(default_engine):
-    with serve(create_app(default_engine, model_name=MODEL)) as url, httpx.Client(base_url=url, timeout=120) as http:
+@pytest.mark.parametrize("max_rows", [1, 16])
+def test_a_waiting_stream_says_queued_then_running(default_engine, max_rows):
+    """One row per step: the second request waits its turn. Sixteen: it joins the first one's steps at
+    the next step boundary, and says it shares them."""
+    with (serve(create_app(default_engine, model_name=MODEL, max_rows=max_rows)) as url,
+          httpx.Client(base_url=url, timeout=120) as http):
         def long_one():
             http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 24, "ignore_eos": True})
 
@@ -434,4 +452,5 @@ def test_a_waiting_stream_says_queued_then_running(default_engine):
         with http.stream("POST", "/v1/completions", json=body) as s:
             comments = [line for line in s.iter_lines() if line.startswith(":")]
         first.join()
-    assert comments == [": laneplay queued 1", ": laneplay running"], comments
+    shared = [": laneplay sharing 1"] if max_rows > 1 else []
+    assert comments == [": laneplay queued 1", ": laneplay running", *shared], comments

@@ -1,0 +1,227 @@
+"""Iteration-level batching: separate requests share decode steps, and each gets the tokens it gets alone.
+
+The scheduler is driven directly (no HTTP): requests are submitted on an event loop, the worker runs
+them as rows of one batch, and every request's tokens are compared with the same request run alone
+through `Engine.generate`.
+"""
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from laneplay.engine import SamplingParams, load_engine
+from laneplay.engine.checkpoint import random_laneformer_tensors, tiny_laneformer_config, write_checkpoint
+from laneplay.engine.scheduler import STARTED, Scheduler
+
+PROMPTS = ["def fib(n):\n", "# Sort a list of numbers in place.\ndef sort(xs):\n", "class Stack:\n    def push(",
+           "import os\n\n\ndef walk(path):\n    \"\"\"Yield every file under path.\"\"\"\n"]
+
+
+@pytest.fixture(scope="module")
+def int4_engine():
+    from laneplay.kernels import lowbit
+
+    if not lowbit.available():
+        pytest.skip("the low-bit kernels are not built")
+    return load_engine("smollm2-135m-instruct", dtype="int4")
+
+
+def alone(engine, prompt, params: SamplingParams) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for ev in engine.generate(prompt, params):
+        out.setdefault(ev.sample_index, []).extend(ev.token_ids)
+    return out
+
+
+async def _collect(job):
+    out: dict[int, list[int]] = {}
+    reasons = {}
+    async for ev in job.stream():
+        if ev is STARTED:
+            continue
+        out.setdefault(ev.sample_index, []).extend(ev.token_ids)
+        if ev.finish_reason:
+            reasons[ev.sample_index] = ev.finish_reason
+    return out, reasons
+
+
+def run_together(engine, requests, scheduler_kw=None, between=None):
+    """Submit (prompt, params[, priority]) requests together; returns [(tokens, reasons, job)]."""
+    async def main():
+        sched = Scheduler(engine, **(scheduler_kw or {}))
+        sched.start()
+        try:
+            jobs = []
+            for req in requests:
+                prompt, params, *rest = req
+                ids, params = engine.prepare(prompt, params)
+                jobs.append(sched.submit(ids, params, priority=rest[0] if rest else "interactive"))
+                if between is not None:
+                    await between(sched, jobs)
+            results = await asyncio.gather(*(_collect(j) for j in jobs))
+            return [(toks, reasons, job) for (toks, reasons), job in zip(results, jobs)]
+        finally:
+            sched.close()
+    return asyncio.run(main())
+
+
+def mixed_requests():
+    """Greedy and seeded sampling, one and several samples, stop strings, different lengths."""
+    return [
+        (PROMPTS[0], SamplingParams(max_tokens=40, temperature=0.0)),
+        (PROMPTS[1], SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, seed=11, n=3)),
+        (PROMPTS[2], SamplingParams(max_tokens=32, temperature=0.7, top_k=40, seed=5, stop=["\n\n"])),
+        (PROMPTS[3] * 6, SamplingParams(max_tokens=12, temperature=1.0, min_p=0.05, seed=3, n=2)),
+    ]
+
+
+def test_low_bit_rows_give_the_tokens_they_give_alone_bit_for_bit(int4_engine):
+    eng = int4_engine
+    assert Scheduler(eng).batched
+    got = run_together(eng, mixed_requests())
+    shared = 0
+    for (prompt, params), (tokens, reasons, job) in zip(mixed_requests(), got):
+        assert job.outcome == "completed"
+        assert tokens == alone(eng, prompt, params), f"{prompt!r} changed in the batch"
+        assert set(reasons) == set(range(params.n))
+        shared = max(shared, job.rows_per_step or 0)
+    assert shared > 3  # they did share steps (the four requests hold 7 rows)
+
+
+def test_a_request_joining_a_running_one_changes_neither(int4_engine):
+    eng = int4_engine
+    long = (PROMPTS[1], SamplingParams(max_tokens=60, temperature=0.8, seed=1, ignore_eos=True))
+    late = (PROMPTS[0], SamplingParams(max_tokens=8, temperature=0.0))
+
+    async def wait_until_decoding(sched, jobs):
+        if len(jobs) == 1:  # the second arrives while the first is well into its decode
+            while jobs[0].steps < 10:
+                await asyncio.sleep(0.005)
+
+    (t_long, _, j_long), (t_late, _, j_late) = run_together(eng, [long, late], between=wait_until_decoding)
+    assert t_long == alone(eng, *long) and t_late == alone(eng, *late)
+    assert j_late.queue_ms < 1000 and j_late.sharing == 1  # it joined at a step boundary, not after the first
+    assert j_late.start_seq == 2 and j_long.outcome == j_late.outcome == "completed"
+
+
+def test_float_rows_agree_with_alone_within_rounding(tmp_path):
+    """A float model with several lanes, sliding-window layers and delayed reduces: decode_groups at
+    different positions and caches equals each sequence's own decode within float32 rounding."""
+    raw = tiny_laneformer_config(sliding_window=8)
+    write_checkpoint(tmp_path / "ckpt", raw, random_laneformer_tensors(raw, seed=0))
+    eng = load_engine(tmp_path / "ckpt", compile=False)
+    model = eng.model
+    gen = torch.Generator().manual_seed(2)
+    lengths, rows = [5, 13, 20], [1, 2, 1]  # positions past the window (8): the rings have wrapped
+    ids = [torch.randint(0, raw["vocab_size"], (1, n), generator=gen) for n in lengths]
+    caches_a, caches_b = [], []
+    for x, r in zip(ids, rows):
+        for caches in (caches_a, caches_b):
+            caches.append(model.prefill(x, r, 40)[1])
+    for step in range(4):
+        tokens = torch.randint(0, raw["vocab_size"], (sum(rows), 1), generator=gen)
+        together = model.decode_groups(tokens, [(n + step, c) for n, c in zip(lengths, caches_a)])
+        a = 0
+        for n, r, c in zip(lengths, rows, caches_b):
+            own = model.decode(tokens[a:a + r], n + step, c)
+            assert (together[a:a + r] - own).abs().max() <= 1e-5 * own.abs().max()
+            a += r
+    # and the tokens of whole requests, greedy, through the scheduler
+    reqs = [([int(t) for t in x[0]], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)) for x in ids]
+    for (prompt, params), (tokens, _, _) in zip(reqs, run_together(eng, reqs)):
+        assert tokens == alone(eng, prompt, params)
+
+
+def test_interactive_requests_join_before_batch_ones(int4_engine):
+    """Two rows per step, one of them kept for interactive work: a batch request waits while an
+    interactive one runs, and an interactive request that arrives after it still starts first."""
+    eng = int4_engine
+    first = (PROMPTS[0], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    batch = (PROMPTS[1], SamplingParams(max_tokens=4, temperature=0.0), "batch")
+    later = (PROMPTS[2], SamplingParams(max_tokens=4, temperature=0.0))
+
+    async def hold(sched, jobs):
+        if len(jobs) == 1:
+            while not jobs[0].steps:
+                await asyncio.sleep(0.005)
+        if len(jobs) == 2:
+            await asyncio.sleep(0.05)
+            assert sched.position(jobs[1]) == 1  # batch work does not take the interactive row
+
+    got = run_together(eng, [first, batch, later], {"max_rows": 2, "interactive_reserve": 1}, between=hold)
+    (_, _, j_first), (t_batch, _, j_batch), (t_later, _, j_later) = got
+    assert j_later.start_seq < j_batch.start_seq and j_later.seq > j_batch.seq
+    assert j_batch.priority == "batch" and t_batch == alone(eng, *batch[:2]) and t_later == alone(eng, *later)
+
+
+def test_a_request_waits_for_kv_memory_instead_of_failing(int4_engine):
+    """The running requests' KV caches together stay within the budget: one that does not fit now
+    waits with its place in line and runs when memory frees."""
+    from laneplay.engine.batch import kv_need
+
+    eng = int4_engine
+    reqs = [(PROMPTS[0], SamplingParams(max_tokens=20, temperature=0.0)),
+            (PROMPTS[2], SamplingParams(max_tokens=20, temperature=0.0))]
+    needs = [kv_need(eng, eng.prepare(p, s)[0], s) for p, s in reqs]
+    sched_kw = {"max_rows": 16}
+
+    async def squeeze(sched, jobs):
+        sched.kv_budget = max(needs) + min(needs) // 2  # room for one at a time
+
+    got = run_together(eng, reqs, sched_kw, between=squeeze)
+    (t0, _, j0), (t1, _, j1) = got
+    assert j0.outcome == j1.outcome == "completed"
+    assert j0.rows_per_step == j1.rows_per_step == 1  # one after the other, never in the same step
+    assert t0 == alone(eng, *reqs[0]) and t1 == alone(eng, *reqs[1])
+
+
+def test_a_cancelled_row_leaves_and_the_others_go_on(int4_engine):
+    eng = int4_engine
+    keep = (PROMPTS[3], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    drop = (PROMPTS[1], SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True))
+
+    async def cancel_soon(sched, jobs):
+        if len(jobs) == 2:
+            async def later():
+                while jobs[1].steps < 3:
+                    await asyncio.sleep(0.005)
+                sched.cancel(jobs[1])
+            asyncio.get_running_loop().create_task(later())
+
+    (t_keep, _, j_keep), (t_drop, reasons, j_drop) = run_together(eng, [keep, drop], between=cancel_soon)
+    assert j_drop.outcome == "cancelled" and reasons == {0: "cancelled"} and len(t_drop[0]) < 50
+    assert j_keep.outcome == "completed" and t_keep == alone(eng, *keep)
+
+
+def test_an_engine_failure_ends_the_batch_not_the_worker(int4_engine):
+    eng = int4_engine
+    sched = Scheduler(eng)
+    real = eng.runner.decode_groups
+    calls = {"n": 0}
+    lock = threading.Lock()
+
+    def flaky(tokens, groups):
+        with lock:
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("the device fell over")
+        return real(tokens, groups)
+
+    async def main():
+        sched.start()
+        try:
+            eng.runner.decode_groups = flaky
+            ids, params = eng.prepare(PROMPTS[0], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+            job = sched.submit(ids, params)
+            with pytest.raises(RuntimeError, match="fell over"):
+                await _collect(job)
+            del eng.runner.decode_groups
+            again = sched.submit(ids, params)
+            return job, again, await _collect(again)
+        finally:
+            sched.close()
+
+    job, again, (tokens, _) = asyncio.run(main())
+    assert job.outcome == "error" and again.outcome == "completed"
+    assert tokens == alone(eng, PROMPTS[0], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
