@@ -13,12 +13,15 @@ BENCHMARKS = {
     "decode": "laneplay.bench.decode",  # batch-1 decode vs transformers and llama.cpp, bandwidth, batched samples
     "dtp": "laneplay.bench.dtp",  # delayed collectives vs wait-now
     "prefill": "laneplay.bench.prefill",  # long prompts: TTFT and prompt tokens/s vs transformers
+    "batching": "laneplay.bench.batching",  # many users on one engine: shared step cost, concurrent TTFT
 }
+ALL = ("decode", "dtp", "prefill")  # what `laneplay bench` runs without a name
 QUICK = {"decode": ["--rounds", "1", "--new-tokens", "16", "--ours", "eager", "--half", "", "--lowbit", "int4",
                     "--samples", "2,4",
                     "--prompts", "short,512", "--bandwidth-gib", "0.25"],
          "dtp": ["--rounds", "1", "--tokens", "8", "--width", "128"],
-         "prefill": ["--rounds", "1", "--lengths", "512", "--dtypes", "int4"]}
+         "prefill": ["--rounds", "1", "--lengths", "512", "--dtypes", "int4"],
+         "batching": ["--rows", "1,4", "--users", "1,4", "--tokens", "16"]}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -33,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    names = list(BENCHMARKS) if args.which == "all" else [args.which]
+    names = list(ALL) if args.which == "all" else [args.which]
     status = 0
     for name in names:
         argv = list(QUICK[name]) if args.quick else []

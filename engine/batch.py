@@ -10,6 +10,7 @@ string, max_tokens) and its tokens are the ones it produces alone.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 
 import torch
 
@@ -26,7 +27,7 @@ def kv_need(engine, ids: list[int], params: SamplingParams) -> int:
 class Sequence:
     """One request's rows: prefill, KV cache and position, generators, text side."""
 
-    def __init__(self, engine, ids: list[int], params: SamplingParams, t_start: float):
+    def __init__(self, engine, ids: list[int], params: SamplingParams, t_start: float, prefixes=None):
         self.runner, self.ids, self.params, self.n = engine.runner, ids, params, params.n
         self.seeds = sample_seeds(params)
         self.generators = make_generators(self.seeds, self.runner.device)
@@ -34,7 +35,7 @@ class Sequence:
         self.text = TextSide(params, self.seeds, engine.tokenizer, self.eos_ids, len(ids), str(engine.device),
                              engine.world_size, t_start)
         self.kv_bytes = kv_need(engine, ids, params)
-        self._prefill = self.runner.prefill_steps(ids, self.n, len(ids) + params.max_tokens)
+        self._prefill, self.reused = self.runner.prefill_steps(ids, self.n, len(ids) + params.max_tokens, prefixes)
         self.cache = self.tokens = None
         self.pos = len(ids)  # where the next decode step writes
         self.chunks = 0  # prompt chunks run so far
@@ -92,3 +93,79 @@ def decode_step(runner, seqs: list[Sequence]) -> list[list[GenerationEvent]]:
         out.append(s._take(logits[a:a + s.n]))
         a += s.n
     return out
+
+
+class PrefixCache:
+    """The KV of recently prefilled prompts, by their tokens, as llama-server's slots and vLLM's prefix
+    cache keep them: a prompt that begins like one served recently (the same editor content with a new
+    instruction, Generate again, pass@N's samples after its greedy call) starts its prefill after the
+    longest run of whole prefill chunks it shares with one of them, and gets exactly the cache (and
+    tokens) a cold prefill gives, since the chunks it still runs are the ones a cold prefill runs.
+
+    Entries are whole chunks of prompts (never generated tokens), evicted least recently used to stay
+    within `max_bytes`; the scheduler also shrinks it when running requests need the memory. One cache
+    belongs to one engine (one model, one dtype).
+    """
+
+    def __init__(self, chunk: int, max_bytes: int):
+        self.chunk, self.max_bytes = chunk, max_bytes
+        self._entries: OrderedDict[tuple[int, ...], object] = OrderedDict()
+        self.bytes = 0
+        self.hits = 0
+        self.reused_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, ids: list[int], slots: list[int]):
+        """(prefix, end): the longest whole-chunk prefix of `ids` held here, short of the prompt's last
+        token (its logits must be computed), that a cache with these slots can start from; or None."""
+        best = None
+        for key, prefix in self._entries.items():
+            shared = _common_length(key, ids)
+            end = min(shared, len(ids) - 1) // self.chunk * self.chunk
+            while end > 0 and not prefix.covers(end, slots):
+                end -= self.chunk
+            if end > 0 and (best is None or end > best[2]):
+                best = (key, prefix, end)
+        if best is None:
+            return None
+        self._entries.move_to_end(best[0])
+        self.hits += 1
+        self.reused_tokens += best[2]
+        return best[1], best[2]
+
+    def store(self, ids: list[int], prefix) -> None:
+        key = tuple(ids)
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return
+        if prefix.nbytes > self.max_bytes:
+            return
+        for other in [k for k in self._entries if len(k) < len(key) and key[:len(k)] == k]:
+            self._remove(other)  # a shorter prompt this one begins with: this entry restarts at its chunks too
+        self._entries[key] = prefix
+        self.bytes += prefix.nbytes
+        self.shrink(self.max_bytes)
+
+    def shrink(self, to_bytes: int) -> None:
+        """Drop the least recently used entries until at most `to_bytes` are held."""
+        while self._entries and self.bytes > max(0, to_bytes):
+            self._remove(next(iter(self._entries)))
+
+    def _remove(self, key) -> None:
+        self.bytes -= self._entries.pop(key).nbytes
+
+
+def _common_length(a, b) -> int:
+    n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if list(a[:mid]) == list(b[:mid]):
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -216,6 +216,70 @@ class KVCache:
         return out
 
 
+
+
+class KVPrefix:
+    """The K/V a prompt's prefill wrote for positions [0, end), kept to start another request's prefill
+    from: every position on full-attention layers; on sliding-window layers the last W positions before
+    each chunk boundary (what a ring buffer holds there), so the prefix can restart at any whole chunk.
+    Layer i holds positions pos[i] (ascending), with k[i], v[i] [L, Hkv, len(pos[i]), hd] in that order."""
+
+    def __init__(self, layers: int):
+        self.end = 0
+        self.pos: list[Tensor] = [torch.empty(0, dtype=torch.long) for _ in range(layers)]
+        self.k: list[Tensor | None] = [None] * layers
+        self.v: list[Tensor | None] = [None] * layers
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v) if t is not None)
+
+    def add_chunk(self, cache: KVCache, a: int, b: int) -> None:
+        """After a prefill chunk wrote positions [a, b) into the (batch-1) cache: keep what of them
+        the cache still holds."""
+        assert cache.batch == 1 and a == self.end
+        for i, (kc, vc, slots) in enumerate(zip(cache.k, cache.v, cache.slots)):
+            p = torch.arange(max(a, b - slots), b)
+            idx = (p % slots).to(kc.device)
+            k, v = kc.index_select(2, idx), vc.index_select(2, idx)
+            self.pos[i] = torch.cat([self.pos[i], p])
+            self.k[i] = k if self.k[i] is None else torch.cat([self.k[i], k], dim=2)
+            self.v[i] = v if self.v[i] is None else torch.cat([self.v[i], v], dim=2)
+        self.end = b
+
+    def truncated(self, end: int) -> "KVPrefix":
+        out = KVPrefix(len(self.pos))
+        out.end = end
+        for i, p in enumerate(self.pos):
+            n = int((p < end).sum())
+            out.pos[i], out.k[i], out.v[i] = p[:n], self.k[i][:, :, :n], self.v[i][:, :, :n]
+        return out
+
+    def covers(self, end: int, slots: list[int]) -> bool:
+        """Whether it holds every position [0, end) that a cache with these slots per layer keeps."""
+        if end > self.end:
+            return False
+        for p, s in zip(self.pos, slots):
+            lo = max(0, end - s)
+            if int(((p >= lo) & (p < end)).sum()) != end - lo:
+                return False
+        return True
+
+    def load(self, cache: KVCache, end: int) -> None:
+        """Write positions [0, end) into a fresh batch-1 cache, each in the slot that cache keeps it in."""
+        if cache.batch != 1 or not self.covers(end, cache.slots):
+            raise ValueError("this prefix does not hold the positions the cache needs")
+        for i, slots in enumerate(cache.slots):
+            p = self.pos[i]
+            src = torch.nonzero((p >= max(0, end - slots)) & (p < end)).flatten()
+            if len(src) == 0:
+                continue
+            dst = (p[src] % slots).to(cache.k[i].device)
+            src = src.to(cache.k[i].device)
+            cache.k[i].index_copy_(2, dst, self.k[i].index_select(2, src))
+            cache.v[i].index_copy_(2, dst, self.v[i].index_select(2, src))
+
+
 def kv_cache_bytes(cfg: ModelConfig, n_lanes: int, batch: int, max_seq_len: int, element_size: int) -> int:
     """What `KVCache(cfg, n_lanes, batch, max_seq_len, ...)` allocates, without allocating it."""
     per_slot = 2 * n_lanes * batch * cfg.kv_heads_per_lane * cfg.head_dim * element_size  # K and V
@@ -453,18 +517,30 @@ class LaneModel(nn.Module):
                 return None, None
         raise AssertionError("prefill_steps ended without a result")
 
-    def prefill_steps(self, ids: Tensor, n: int, max_seq_len: int, chunk: int = PREFILL_CHUNK):
+    def prefill_steps(self, ids: Tensor, n: int, max_seq_len: int, chunk: int = PREFILL_CHUNK,
+                      start: tuple[KVCache, int] | None = None, keep=None):
         """`prefill` one chunk at a time: yields None after each chunk but the last, then (logits [n, V],
         cache). The chunks are the same however the steps are interleaved with other work, so a prompt
-        prefilled between other requests' decode steps gives exactly the cache it gets alone."""
-        cache = self.new_cache(1, max_seq_len)
+        prefilled between other requests' decode steps gives exactly the cache it gets alone.
+
+        start: (a batch-1 cache already holding positions [0, p), p) with p a multiple of `chunk`: the
+        prompt goes on from p, through the chunks a cold prefill runs from there (so the result is the
+        cold one exactly). keep(cache, a, b, last): called after each whole chunk [a, b) with the batch-1
+        cache as it is at that moment (for a prefix cache to copy); last: no whole chunk follows.
+        """
         S = ids.shape[1]
+        cache, a0 = start if start is not None else (self.new_cache(1, max_seq_len), 0)
+        if a0 % chunk or a0 >= S:
+            raise ValueError(f"a prefill resumes at a whole chunk before the prompt's end, not at {a0}")
+        whole = S // chunk * chunk  # the end of the last whole chunk
         h = None
-        for a in range(0, S, chunk):
-            if a > 0:
+        for a in range(a0, S, chunk):
+            if a > a0:
                 yield None
             with torch.inference_mode():
                 h = self.hidden_states(ids[:, a:a + chunk], pos=a, cache=cache)
+            if keep is not None and a + chunk <= whole:
+                keep(cache, a, a + chunk, a + chunk == whole)
         with torch.inference_mode():
             logits = self.head(h[:, :, -1:])[:, -1]
         yield logits.expand(n, -1), (cache.expand_batch(n) if n > 1 else cache)

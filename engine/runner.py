@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from laneplay.engine.generate import token_steps
-from laneplay.engine.model import LaneModel
+from laneplay.engine.model import KVPrefix, LaneModel
 from laneplay.engine.runtime import Runtime
 from laneplay.engine.sampling import SamplingParams
 
@@ -76,10 +76,28 @@ class LocalRunner:
         graphs are captured for one request's cache)."""
         return self.world_size == 1 and self.static is None and self.model is not None
 
-    def prefill_steps(self, ids: list[int], n: int, max_seq_len: int):
-        """One request's prefill, a chunk per step (see `LaneModel.prefill_steps`)."""
+    def prefill_steps(self, ids: list[int], n: int, max_seq_len: int, prefixes=None):
+        """One request's prefill, a chunk per step (see `LaneModel.prefill_steps`): (the steps, how many
+        prompt tokens came from `prefixes`, an `engine.batch.PrefixCache`, which also keeps this
+        prompt's whole chunks for later requests)."""
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
-        return self.model.prefill_steps(x, n, max_seq_len, chunk=self.runtime.prefill_chunk)
+        start, keep, reused = None, None, 0
+        if prefixes is not None:
+            cache = self.model.new_cache(1, max_seq_len)
+            hit = prefixes.lookup(ids, cache.slots)
+            built = KVPrefix(len(cache.slots))
+            if hit is not None:
+                prefix, reused = hit
+                prefix.load(cache, reused)
+                start, built = (cache, reused), prefix.truncated(reused)
+
+            def keep(cache, a, b, last):
+                built.add_chunk(cache, a, b)
+                if last:
+                    prefixes.store(ids[:b], built)
+
+        steps = self.model.prefill_steps(x, n, max_seq_len, chunk=self.runtime.prefill_chunk, start=start, keep=keep)
+        return steps, reused
 
     @torch.inference_mode()
     def decode_groups(self, tokens: Tensor, groups: list) -> Tensor:

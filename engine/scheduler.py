@@ -74,6 +74,7 @@ class Job:
     steps: int = 0
     step_rows: int = 0
     sharing: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def queue_ms(self) -> float | None:
@@ -102,7 +103,8 @@ class Job:
 class Scheduler:
     def __init__(self, engine, max_queue: int = 32, request_timeout_s: float = 600.0,
                  on_finish: Callable[[Job], None] | None = None, max_rows: int = MAX_ROWS,
-                 interactive_reserve: int = INTERACTIVE_RESERVE, prefill_budget: int | None = None):
+                 interactive_reserve: int = INTERACTIVE_RESERVE, prefill_budget: int | None = None,
+                 prefix_cache: bool = True):
         self.engine = engine
         self.max_queue = max_queue
         self.request_timeout_s = request_timeout_s
@@ -114,6 +116,11 @@ class Scheduler:
         self.prefill_budget = prefill_budget or getattr(runtime, "prefill_chunk", 512)
         self.kv_budget = getattr(runtime, "kv_budget_bytes", 0) or 0
         self.on_step: Callable[[int, float], None] | None = None  # (rows, seconds) of each decode step
+        self.prefixes = None  # recently prefilled prompts' KV (batched engines): up to a quarter of the budget
+        if self.batched and prefix_cache:
+            from laneplay.engine.batch import PrefixCache
+
+            self.prefixes = PrefixCache(runtime.prefill_chunk, (self.kv_budget or 2**31) // 4)
         self.running: list[Job] = []
         self.mean_job_s = 1.0  # moving average of job duration, for Retry-After
         self._waiting: list[Job] = []  # in admission order: interactive first, each class by arrival
@@ -272,11 +279,14 @@ class Scheduler:
             need = kv_need(self.engine, job.ids, job.params)
             if self.running and (rows + job.params.n > cap or (self.kv_budget and kv + need > self.kv_budget)):
                 return
+            if self.prefixes is not None and self.kv_budget:  # running requests first: cached prefixes make room
+                self.prefixes.shrink(self.kv_budget - kv - need)
             self._waiting.pop(0)
             self.running.append(job)
             self._begin(job)
             try:
-                seqs[job] = Sequence(self.engine, job.ids, job.params, job.t_start)
+                seqs[job] = Sequence(self.engine, job.ids, job.params, job.t_start, self.prefixes)
+                job.cached_tokens = seqs[job].reused
             except Exception as e:
                 log.exception("generation failed")
                 job.push(e)

@@ -289,7 +289,8 @@ class Reply:
     def usage(self) -> dict:
         prompt = len(self.job.ids)
         completion = sum(m.completion_tokens for m in self.job.finals.values())
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": self.job.cached_tokens}}
 
     def timing(self) -> dict:
         per_choice = [choice_timing(i, m) for i, m in sorted(self.job.finals.items())]

@@ -45,8 +45,8 @@ def run(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("laneplay.engine")
     api_key = args.api_key or os.environ.get("LANEPLAY_API_KEY") or None
-    if args.max_queue < 0 or args.request_timeout <= 0 or not 1 <= args.max_rows <= 64:
-        print("laneplay engine: --max-queue must be >= 0, --request-timeout > 0 and --max-rows in [1, 64]",
+    if args.max_queue < 0 or args.request_timeout <= 0 or not 1 <= args.max_rows <= 16:
+        print("laneplay engine: --max-queue must be >= 0, --request-timeout > 0 and --max-rows in [1, 16]",
               file=sys.stderr)
         return 2
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:

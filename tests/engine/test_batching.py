@@ -225,3 +225,95 @@ def test_an_engine_failure_ends_the_batch_not_the_worker(int4_engine):
     job, again, (tokens, _) = asyncio.run(main())
     assert job.outcome == "error" and again.outcome == "completed"
     assert tokens == alone(eng, PROMPTS[0], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+
+
+CODE = """def parse_config(path):
+    \"\"\"Read a key=value file into a dict, skipping blank lines and comments.\"\"\"
+    result = {}
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, _, value = line.partition("=")
+            result[key.strip()] = value.strip()
+    return result
+
+
+def merge_configs(*paths):
+    merged = {}
+    for p in paths:
+        merged.update(parse_config(p))
+    return merged
+"""
+
+
+def test_a_prompt_that_begins_like_a_recent_one_reuses_its_prefix_exactly():
+    """The same code with a new instruction: the second request starts its prefill after the whole
+    chunks it shares with the first, and gets the tokens a cold prefill gives."""
+    from laneplay.kernels import lowbit
+
+    eng = load_engine("smollm2-135m-instruct", dtype="int4" if lowbit.available() else "float32", prefill_chunk=32)
+    first = (CODE + "\n# Add type hints to parse_config.\n", SamplingParams(max_tokens=12, temperature=0.0))
+    second = (CODE + "\n# Write a docstring for merge_configs.\n", SamplingParams(max_tokens=12, temperature=0.0))
+    sampled = (CODE + "\n# Explain merge_configs.\n", SamplingParams(max_tokens=12, temperature=0.8, seed=4, n=2))
+    (t1, _, j1), (t2, _, j2), (t3, _, j3) = run_together(eng, [first, second, sampled], {"max_rows": 1})
+    shared = len(eng.tokenizer.encode(CODE)) - 2  # the last tokens of the code may merge with what follows
+    assert j1.cached_tokens == 0
+    assert j2.cached_tokens >= shared // 32 * 32 - 32 and j2.cached_tokens % 32 == 0 and j2.cached_tokens > 0
+    assert j3.cached_tokens == j2.cached_tokens
+    assert t1 == alone(eng, *first) and t2 == alone(eng, *second) and t3 == alone(eng, *sampled)
+
+
+def test_a_reused_prefix_on_sliding_window_layers_is_exact(tmp_path):
+    """Ring buffers: the prefix is copied into the new cache's own slots (its window may wrap
+    differently), and the logits equal a cold prefill's bit for bit."""
+    from laneplay.engine.batch import PrefixCache
+
+    raw = tiny_laneformer_config(sliding_window=8)
+    write_checkpoint(tmp_path / "ckpt", raw, random_laneformer_tensors(raw, seed=1))
+    eng = load_engine(tmp_path / "ckpt", compile=False, prefill_chunk=4)
+    runner, gen = eng.runner, torch.Generator().manual_seed(3)
+    base = torch.randint(0, raw["vocab_size"], (30,), generator=gen).tolist()
+    prefixes = PrefixCache(chunk=4, max_bytes=2**30)
+
+    def run(ids, max_seq_len):
+        steps, reused = runner.prefill_steps(ids, 1, max_seq_len, prefixes)
+        for out in steps:
+            if out is not None:
+                return out, reused
+
+    run(base, 64)
+    assert len(prefixes) == 1
+    for tail, max_seq_len in [([1, 2, 3], 40), ([5] * 9, 64), ([7], 36)]:
+        ids = base[:22] + tail
+        (logits, cache), reused = run(ids, max_seq_len)
+        cold_logits, cold_cache = eng.model.prefill(torch.tensor([ids]), 1, max_seq_len, chunk=4)
+        assert reused == 20
+        assert torch.equal(logits, cold_logits)
+        for a, b in zip(cache.k + cache.v, cold_cache.k + cold_cache.v):
+            assert torch.equal(a, b)
+
+
+def test_the_prefix_cache_stays_within_its_bytes_and_drops_the_least_recent():
+    from laneplay.engine.batch import PrefixCache
+    from laneplay.engine.model import KVPrefix
+
+    def prefix(end, nbytes):
+        out = KVPrefix(1)
+        out.end, out.pos = end, [torch.arange(end)]
+        out.k = out.v = [torch.zeros(1, 1, end, nbytes // 8 // end)]
+        return out
+
+    cache = PrefixCache(chunk=4, max_bytes=1100)
+    cache.store([1, 2, 3, 4], prefix(4, 512))
+    cache.store([9, 9, 9, 9], prefix(4, 512))
+    assert cache.lookup([1, 2, 3, 4, 5], [64]) is not None  # touch the first: the second is now the oldest
+    cache.store([5, 5, 5, 5], prefix(4, 512))
+    assert len(cache) == 2 and cache.bytes == 1024
+    assert cache.lookup([9, 9, 9, 9, 1], [64]) is None and cache.lookup([1, 2, 3, 4, 1], [64]) is not None
+    assert cache.lookup([1, 2, 3, 4], [64]) is None  # the prompt's last token is always computed
+    cache.store([1, 2, 3, 4, 6, 6, 6, 6], prefix(8, 512))  # the longer prompt replaces the one it begins with
+    assert len(cache) == 2 and cache.lookup([1, 2, 3, 4, 6, 6, 6, 6, 0], [64])[1] == 8
+    cache.shrink(0)
+    assert len(cache) == 0 and cache.bytes == 0

@@ -162,8 +162,12 @@ class GatedRunner:
         return getattr(self._runner, name)
 
     def prefill_steps(self, *args, **kwargs):
-        assert self.gate.wait(120), "the test never opened the gate"
-        yield from self._runner.prefill_steps(*args, **kwargs)
+        steps, reused = self._runner.prefill_steps(*args, **kwargs)
+
+        def gated():
+            assert self.gate.wait(120), "the test never opened the gate"
+            yield from steps
+        return gated(), reused
 
 
 FIFO_PROMPT = "# A list of fruits:\n"
@@ -285,8 +289,10 @@ class FailingEngine(GatedEngine):
 
 class FailingRunner(GatedRunner):
     def prefill_steps(self, *args, **kwargs):
-        raise RuntimeError("the device fell over")
-        yield
+        def fail():
+            raise RuntimeError("the device fell over")
+            yield
+        return fail(), 0
 
 
 def test_engine_failure_is_an_error_not_a_hang(default_engine):

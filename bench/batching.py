@@ -1,0 +1,159 @@
+"""Many people, one engine: what a shared decode step costs, and what concurrent users see.
+
+    laneplay bench batching [--rows 1,2,4,8,16] [--users 1,4,8] [--tokens 128]
+
+Two tables, on the embedded default (the CPU default path unless --dtype says otherwise):
+1. one decode step for k separate requests (k groups of one row, each on its own cache at its own
+   position: what the scheduler runs) against a step for one; the ratio is what sharing costs a row;
+2. k streaming clients sent at once to an engine server in this process, 128 greedy tokens each, with
+   the engine one request at a time (--max-rows 1, the old scheduler's behaviour) and batching
+   (--max-rows 16), in the same run: client TTFT (send -> first text) min / median / max and the wall
+   time until all are done, each against the same engine's single-client run.
+JSON to bench/results/batching.json.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import statistics
+import sys
+import threading
+import time
+
+import httpx
+import torch
+
+from laneplay.bench.common import check_quiet, print_table, write_json
+
+PROMPTS = ["def quicksort(items):\n", "# Parse a CSV line into fields.\ndef parse(line):\n",
+           "class LRUCache:\n    def __init__(self, capacity):\n", "def is_prime(n: int) -> bool:\n",
+           "import json\n\ndef load(path):\n", "def fizzbuzz(n):\n", "def merge(a, b):\n    \"\"\"Merge two sorted lists.\"\"\"\n",
+           "async def fetch_all(urls):\n"]
+
+
+def step_costs(engine, rows: list[int], context: int = 200, repeats: int = 20) -> list[dict]:
+    model = engine.model
+    out, base = [], None
+    for k in rows:
+        caches = [model.prefill(torch.full((1, context + i), 7, dtype=torch.long), 1, context + 64)[1] for i in range(k)]
+        groups = [(context + i, c) for i, c in enumerate(caches)]  # every request at its own position
+        tokens = torch.full((k, 1), 7, dtype=torch.long)
+        for _ in range(3):
+            model.decode_groups(tokens, groups)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model.decode_groups(tokens, groups)
+            times.append((time.perf_counter() - t0) * 1000)
+        ms = statistics.median(times)
+        base = base or ms
+        out.append({"requests": k, "ms_per_step": ms, "vs_one": ms / base, "ms_per_row": ms / k})
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class InProcessServer:
+    def __init__(self, engine, max_rows: int):
+        import uvicorn
+
+        from laneplay.engine.server import create_app
+
+        self.port = _free_port()
+        config = uvicorn.Config(create_app(engine, max_rows=max_rows, max_queue=64), host="127.0.0.1",
+                                port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+async def _client(http, i: int, tokens: int) -> dict:
+    body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0, ttft, server = time.perf_counter(), None, {}
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = __import__("json").loads(line[6:])
+            if ttft is None and any(c.get("text") for c in chunk.get("choices", [])):
+                ttft = (time.perf_counter() - t0) * 1000
+            server = chunk.get("laneplay") or server
+    return {"ttft_ms": ttft, "e2e_s": time.perf_counter() - t0, "rows_per_step": server.get("rows_per_step"),
+            "queue_ms": server.get("queue_ms")}
+
+
+async def _users(url: str, k: int, tokens: int) -> dict:
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        await _client(http, 0, 4)  # warm the connection and the engine
+        t0 = time.perf_counter()
+        clients = await asyncio.gather(*(_client(http, i, tokens) for i in range(k)))
+        wall = time.perf_counter() - t0
+    ttfts = [c["ttft_ms"] for c in clients]
+    return {"users": k, "ttft_min_ms": min(ttfts), "ttft_median_ms": statistics.median(ttfts),
+            "ttft_max_ms": max(ttfts), "wall_s": wall,
+            "rows_per_step": max(c["rows_per_step"] or 0 for c in clients)}
+
+
+def concurrency(engine, users: list[int], tokens: int, modes: dict[str, int]) -> list[dict]:
+    out = []
+    for mode, max_rows in modes.items():
+        with InProcessServer(engine, max_rows) as url:
+            alone = None
+            for k in users:
+                row = {"engine": mode, **asyncio.run(_users(url, k, tokens))}
+                alone = alone or row
+                row["ttft_max_vs_alone"] = row["ttft_max_ms"] / alone["ttft_max_ms"]
+                row["wall_vs_alone"] = row["wall_s"] / alone["wall_s"]
+                out.append(row)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="laneplay bench batching", description=__doc__.splitlines()[0])
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--rows", default="1,2,4,8,16", help="requests per decode step (table 1)")
+    p.add_argument("--users", default="1,4,8", help="concurrent clients (table 2; the first is the alone run)")
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--allow-noisy", action="store_true")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    quiet = check_quiet(args.allow_noisy)
+    from laneplay.engine import load_engine
+
+    engine = load_engine("smollm2-135m-instruct", dtype=args.dtype)
+    rows = step_costs(engine, [int(x) for x in args.rows.split(",")])
+    print(f"one decode step for k separate requests ({engine.runtime.dtype}, {torch.get_num_threads()} threads)")
+    print_table(rows, [("requests", "requests", "d"), ("ms_per_step", "ms/step", ".1f"), ("vs_one", "x one", ".2f"),
+                       ("ms_per_row", "ms/row", ".2f")])
+    users = concurrency(engine, [int(x) for x in args.users.split(",")], args.tokens,
+                        {"one at a time": 1, "batched": 16})
+    print(f"\nk clients at once, {args.tokens} greedy tokens each: client TTFT (send -> first text) and wall time")
+    print_table(users, [("engine", "engine", "s"), ("users", "users", "d"), ("ttft_min_ms", "TTFT min ms", ".0f"),
+                        ("ttft_median_ms", "median", ".0f"), ("ttft_max_ms", "max", ".0f"),
+                        ("ttft_max_vs_alone", "max x alone", ".2f"), ("wall_s", "wall s", ".2f"),
+                        ("wall_vs_alone", "wall x alone", ".2f"), ("rows_per_step", "rows/step", ".1f")])
+    path = write_json("batching", {"dtype": engine.runtime.dtype, "tokens": args.tokens, "quiet": quiet,
+                                   "step_costs": rows, "users": users}, args.out)
+    print(f"wrote {path}")
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
