@@ -9,6 +9,8 @@ Two tables, on the embedded default (the CPU default path unless --dtype says ot
    the engine one request at a time (--max-rows 1, the old scheduler's behaviour) and batching
    (--max-rows 16), in the same run: client TTFT (send -> first text) min / median / max and the wall
    time until all are done, each against the same engine's single-client run.
+3. a ~1,000-token prompt, then the same code with a new instruction: TTFT cold and with the prefix
+   reused (whole prefill chunks, --prefill-chunk).
 JSON to bench/results/batching.json.
 """
 from __future__ import annotations
@@ -124,19 +126,58 @@ def concurrency(engine, users: list[int], tokens: int, modes: dict[str, int]) ->
     return out
 
 
+def _code(lines: int) -> str:
+    """A long, plausible module: numbered helper functions (no two prompts of a run share it by chance)."""
+    return "".join(f"def helper_{i}(values, scale={i}):\n    total = 0\n    for v in values:\n"
+                   f"        total += v * scale - {i % 7}\n    return total\n\n\n" for i in range(lines))
+
+
+def prefix_reuse(engine, target_tokens: int = 1000, tokens: int = 16) -> dict:
+    """A ~1,000-token prompt, then the same code with a new instruction: client TTFT cold and warm."""
+    code, n = "", 8
+    while len(engine.tokenizer.encode(code + "# Add type hints to helper_3.\n")) < target_tokens:
+        n += 1
+        code = _code(n)
+    prompts = [code + "# Add type hints to helper_3.\n", code + "# Write a docstring for helper_5.\n"]
+
+    async def go(url):
+        async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+            out = []
+            for p in prompts:
+                body = {"prompt": p, "max_tokens": tokens, "temperature": 0, "stream": True,
+                        "stream_options": {"include_usage": True}}
+                t0, ttft, usage = time.perf_counter(), None, {}
+                async with http.stream("POST", "/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            chunk = __import__("json").loads(line[6:])
+                            if ttft is None and any(c.get("text") for c in chunk.get("choices", [])):
+                                ttft = (time.perf_counter() - t0) * 1000
+                            usage = chunk.get("usage") or usage
+                out.append((ttft, usage))
+            return out
+
+    with InProcessServer(engine, 16) as url:
+        (cold, u0), (warm, u1) = asyncio.run(go(url))
+    return {"prompt_tokens": u1.get("prompt_tokens"), "cached_tokens": u1["prompt_tokens_details"]["cached_tokens"],
+            "cold_ttft_ms": cold, "warm_ttft_ms": warm, "warm_vs_cold": warm / cold,
+            "prefill_chunk": engine.runtime.prefill_chunk}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="laneplay bench batching", description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="auto")
     p.add_argument("--rows", default="1,2,4,8,16", help="requests per decode step (table 1)")
     p.add_argument("--users", default="1,4,8", help="concurrent clients (table 2; the first is the alone run)")
     p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill step")
     p.add_argument("--allow-noisy", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     quiet = check_quiet(args.allow_noisy)
     from laneplay.engine import load_engine
 
-    engine = load_engine("smollm2-135m-instruct", dtype=args.dtype)
+    engine = load_engine("smollm2-135m-instruct", dtype=args.dtype, prefill_chunk=args.prefill_chunk)
     rows = step_costs(engine, [int(x) for x in args.rows.split(",")])
     print(f"one decode step for k separate requests ({engine.runtime.dtype}, {torch.get_num_threads()} threads)")
     print_table(rows, [("requests", "requests", "d"), ("ms_per_step", "ms/step", ".1f"), ("vs_one", "x one", ".2f"),
@@ -148,8 +189,13 @@ def main(argv: list[str] | None = None) -> int:
                         ("ttft_median_ms", "median", ".0f"), ("ttft_max_ms", "max", ".0f"),
                         ("ttft_max_vs_alone", "max x alone", ".2f"), ("wall_s", "wall s", ".2f"),
                         ("wall_vs_alone", "wall x alone", ".2f"), ("rows_per_step", "rows/step", ".1f")])
+    prefix = prefix_reuse(engine)
+    print("\nthe same ~1,000-token code with a new instruction: client TTFT cold, then with its prefix reused")
+    print_table([prefix], [("prompt_tokens", "prompt tokens", "d"), ("cached_tokens", "reused", "d"),
+                           ("cold_ttft_ms", "cold TTFT ms", ".0f"), ("warm_ttft_ms", "reused TTFT ms", ".0f"),
+                           ("warm_vs_cold", "reused / cold", ".2f")])
     path = write_json("batching", {"dtype": engine.runtime.dtype, "tokens": args.tokens, "quiet": quiet,
-                                   "step_costs": rows, "users": users}, args.out)
+                                   "step_costs": rows, "users": users, "prefix_reuse": prefix}, args.out)
     print(f"wrote {path}")
     engine.close()
     return 0

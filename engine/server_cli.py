@@ -32,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-budget-gb", type=float, default=None,
                    help="the most KV cache the running requests may reserve together, in GiB; a request "
                         "waits until its cache fits, and one larger than the budget gets a 400 (default: a fifth of RAM on CPU, 40%% of the GPU on CUDA)")
+    p.add_argument("--prefill-chunk", type=int, default=512,
+                   help="prompt tokens per prefill step: how long a joining prompt holds the running requests' "
+                        "next token, and the grain at which a repeated prompt's prefix is reused")
     p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly (default: compiled on CPU at world size 1)")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="CUDA: decode through LaneModel.decode instead of the static step captured as CUDA graphs")
@@ -58,6 +61,7 @@ def run(args) -> int:
         eng = load_engine(args.model, device=args.device, dtype=args.dtype, world_size=args.world_size,
                           compile=False if args.no_compile else "auto",
                           graphs=False if args.no_cuda_graphs else "auto", kv_budget_gb=args.kv_budget_gb,
+                          prefill_chunk=args.prefill_chunk,
                           progress=stage)
     except (ValueError, OSError) as e:
         print(f"laneplay engine: {e}", file=sys.stderr)

@@ -96,6 +96,8 @@ class RemoteGenerate:
             models = None
         if not self.model and models and isinstance(models[0], dict):
             self.model = models[0].get("id")
+        # A Laneplay engine runs an evaluation as batch work: interactive users of the same engine go first.
+        self.ours = bool(models) and isinstance(models[0], dict) and models[0].get("owned_by") == "laneplay"
 
     def __call__(self, prompt, n: int, temperature: float, seed: int | None, max_tokens: int) -> list[str]:
         import httpx
@@ -105,6 +107,8 @@ class RemoteGenerate:
                 "top_p": self.top_p if temperature > 0 else 1.0}
         if self.model:
             body["model"] = self.model
+        if self.ours:
+            body["laneplay"] = {"priority": "batch"}
         if chat:
             path, body["messages"] = "/v1/chat/completions", prompt
         else:

@@ -173,8 +173,9 @@ def test_refuses_without_sandbox(monkeypatch, capsys, db_url):
 
 # -- --engine-url against a small fake OpenAI-compatible server ------------------------------------
 
-def fake_server(problems, requests: list):
-    """A FastAPI app answering /v1/completions and /v1/chat/completions with canned solutions."""
+def fake_server(problems, requests: list, owner: str = "someone"):
+    """A FastAPI app answering /v1/completions and /v1/chat/completions with canned solutions; its model
+    card says `owned_by: owner` (a Laneplay engine says "laneplay")."""
     from fastapi import FastAPI, Request
 
     app = FastAPI()
@@ -196,7 +197,7 @@ def fake_server(problems, requests: list):
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": "fake-served", "object": "model"}]}
+        return {"object": "list", "data": [{"id": "fake-served", "object": "model", "owned_by": owner}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -210,15 +211,16 @@ def fake_server(problems, requests: list):
 
 
 @pytest.fixture
-def served():
+def served(request):
     """(base URL, the request bodies it saw) of the fake server, running in a thread."""
     import uvicorn
 
     problems, requests = select("humaneval:0-3"), []
+    owner = getattr(request, "param", "someone")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(fake_server(problems, requests), host="127.0.0.1", port=port,
+    server = uvicorn.Server(uvicorn.Config(fake_server(problems, requests, owner), host="127.0.0.1", port=port,
                                            log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -250,6 +252,20 @@ def test_engine_url(mode, served, tmp_path, db_url, monkeypatch, capsys, sandbox
     assert c["model"] == "fake-served"
     assert [(r["completion_tokens"], r["generation_ms"]) for r in c["results"][:3]] == \
         [(30, 40.0), (30, 40.0), (31, 80.0)]
+
+
+@pytest.mark.parametrize("served", ["laneplay", "someone"], indirect=True)
+def test_an_eval_is_batch_work_on_a_laneplay_engine(served, request):
+    """On a Laneplay engine an evaluation asks for batch priority (interactive users of the same engine
+    go first); other servers never see the extension."""
+    from laneplay.evals.engine_generate import RemoteGenerate
+
+    url, requests = served
+    gen = RemoteGenerate(url + "/v1")
+    gen(select("humaneval:0-1")[0].prompt, n=1, temperature=0.0, seed=0, max_tokens=8)
+    ours = request.node.callspec.params["served"] == "laneplay"
+    assert gen.ours == ours
+    assert [r.get("laneplay") for r in requests] == [{"priority": "batch"} if ours else None]
 
 
 def test_engine_url_unreachable(capsys, db_url, sandboxed):
