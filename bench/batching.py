@@ -1,6 +1,6 @@
 """Many people, one engine: what a shared decode step costs, and what concurrent users see.
 
-    laneplay bench batching [--rows 1,2,4,8,16] [--users 1,4,8] [--tokens 128]
+    python -m laneplay.bench.batching [--rows 1,2,4,8,16] [--users 1,4,8] [--tokens 128]
 
 Two tables, on the embedded default (the CPU default path unless --dtype says otherwise):
 1. one decode step for k separate requests (k groups of one row, each on its own cache at its own

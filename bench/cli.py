@@ -14,6 +14,7 @@ BENCHMARKS = {
     "dtp": "laneplay.bench.dtp",  # delayed collectives vs wait-now
     "prefill": "laneplay.bench.prefill",  # long prompts: TTFT and prompt tokens/s vs transformers
     "batching": "laneplay.bench.batching",  # many users on one engine: shared step cost, concurrent TTFT
+    "serving": "laneplay.bench.serving",  # open-loop arrivals at several loads, ours vs llama-server
 }
 ALL = ("decode", "dtp", "prefill")  # what `laneplay bench` runs without a name
 QUICK = {"decode": ["--rounds", "1", "--new-tokens", "16", "--ours", "eager", "--half", "", "--lowbit", "int4",
@@ -21,7 +22,8 @@ QUICK = {"decode": ["--rounds", "1", "--new-tokens", "16", "--ours", "eager", "-
                     "--prompts", "short,512", "--bandwidth-gib", "0.25"],
          "dtp": ["--rounds", "1", "--tokens", "8", "--width", "128"],
          "prefill": ["--rounds", "1", "--lengths", "512", "--dtypes", "int4"],
-         "batching": ["--rows", "1,4", "--users", "1,4", "--tokens", "16"]}
+         "batching": ["--rows", "1,4", "--users", "1,4", "--tokens", "16"],
+         "serving": ["--loads", "2", "--requests", "4"]}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
