@@ -322,7 +322,15 @@ class Scheduler:
             if not seq.prefilling or budget <= 0:
                 continue
             budget -= min(len(job.ids), self.engine.runtime.prefill_chunk)
-            self._emit(job, seq.prefill_chunk())
+            try:
+                events = seq.prefill_chunk()
+            except Exception as e:  # this prompt failed (memory, say): it ends, the others go on
+                log.exception("generation failed")
+                seqs.pop(job).cancel()
+                job.push(e)
+                self._end(job, "error")
+                continue
+            self._emit(job, events)
             if seq.finished:
                 self._complete(job, seqs)
         self._leave(seqs)  # a stop that came during the prompts ends before the next token, as alone

@@ -317,3 +317,45 @@ def test_the_prefix_cache_stays_within_its_bytes_and_drops_the_least_recent():
     assert len(cache) == 2 and cache.lookup([1, 2, 3, 4, 6, 6, 6, 6, 0], [64])[1] == 8
     cache.shrink(0)
     assert len(cache) == 0 and cache.bytes == 0
+
+
+def test_a_prompt_that_fails_ends_alone_and_the_running_rows_go_on(int4_engine):
+    """An allocation failure in one request's prefill ends that request with an error; the request
+    already decoding beside it finishes with its own tokens."""
+    eng = int4_engine
+    keep = (PROMPTS[0], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    bad = (PROMPTS[2], SamplingParams(max_tokens=30, temperature=0.0))
+    real = eng.runner.prefill_steps
+
+    def prefill_steps(ids, *args, **kwargs):
+        steps, reused = real(ids, *args, **kwargs)
+        if ids != eng.prepare(*bad)[0]:
+            return steps, reused
+
+        def failing():
+            raise MemoryError("no memory for this prompt's cache")
+            yield
+        return failing(), reused
+
+    got = {}
+
+    async def main():
+        sched = Scheduler(eng)
+        sched.start()
+        eng.runner.prefill_steps = prefill_steps
+        try:
+            first = sched.submit(*eng.prepare(*keep))
+            while first.steps < 3:
+                await asyncio.sleep(0.005)
+            second = sched.submit(*eng.prepare(*bad))
+            got["keep"] = await _collect(first)
+            with pytest.raises(MemoryError):
+                await _collect(second)
+            return first, second
+        finally:
+            del eng.runner.prefill_steps
+            sched.close()
+
+    first, second = asyncio.run(main())
+    assert second.outcome == "error" and first.outcome == "completed"
+    assert got["keep"][0] == alone(eng, *keep)
