@@ -27,6 +27,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def health_info(h: dict) -> dict:
+    """What the UI keeps of our engine's /health: where and what runs, its context, the model's shapes."""
+    return {"model": h.get("model"), "device": h.get("device"), "dtype": h.get("dtype"),
+            "world_size": h.get("world_size", 1), "context_length": h.get("context_length"),
+            "model_config": h.get("model_config") if isinstance(h.get("model_config"), dict) else None,
+            "laneplay": True}
+
+
 def _die_with_parent() -> None:
     """Linux: the engine process is killed when the app dies, however it dies."""
     try:
@@ -158,8 +166,7 @@ class LocalEngine(Engine):
             r = httpx.get(self.url + "/health", timeout=1.0)
             if r.status_code == 200:
                 h = r.json()
-                return {"model": h.get("model"), "device": h.get("device"), "world_size": h.get("world_size", 1),
-                        "context_length": h.get("context_length"), "laneplay": True}
+                return health_info(h)
         except (httpx.HTTPError, ValueError):
             pass
         return None
@@ -204,8 +211,7 @@ class RemoteEngine(Engine):
                 r = httpx.get(self.url + "/health", headers=headers, timeout=3.0)
                 if r.status_code == 200 and isinstance(r.json(), dict) and "queue_depth" in r.json():
                     h = r.json()
-                    info = {"model": h.get("model"), "device": h.get("device"), "world_size": h.get("world_size", 1),
-                            "context_length": h.get("context_length"), "laneplay": True}
+                    info = health_info(h)
                 else:  # another OpenAI-compatible server: its model list is the health check
                     m = httpx.get(self.url + "/v1/models", headers=headers, timeout=3.0)
                     if m.status_code == 200:
