@@ -13,8 +13,9 @@ Beside it, `#dtp-prediction`: the performance model's estimate for 8×H200 (benc
 served model when it splits over 8 GPUs, else for Laneformer 2B, saying which. An A/B is a measurement,
 not a generation of the session: nothing is stored.
 
-The view needs a Laneplay engine (the extension and the timeline are ours) running at world size 2 or
-more (`laneplay serve --world-size 2`); otherwise it says so and A/B is off.
+The view needs a Laneplay engine (the extension and the timeline are ours) running at a world size of 2
+or more that divides the served model (`laneplay serve --world-size auto` picks one); otherwise it says
+so, with the sizes that would do, and A/B is off.
 """
 from __future__ import annotations
 
@@ -23,15 +24,22 @@ import html
 from dataclasses import dataclass, field, fields, replace
 
 import gradio as gr
-
 from laneplay.app import playground
 from laneplay.app.client import EngineError
-from laneplay.app.context import AppContext, InputError, check_texts, request_body, sampling
+from laneplay.app.context import (
+    AppContext,
+    InputError,
+    check_texts,
+    request_body,
+    sampling,
+)
 from laneplay.app.meter import MeterData, render
 from laneplay.app.quota import Limited
 from laneplay.app.stream import Generation, engine_ready
+from laneplay.app.supervisor import world_sizes
 
 MODES = (("delayed", "delayed (DTP)", "dtp-meter-delayed"), ("wait_now", "wait now (exposed)", "dtp-meter-wait"))
+LABELS = {collectives: label for collectives, label, _ in MODES}
 DEFAULT_MAX_TOKENS = 64
 MAX_AB_TOKENS = 512
 NODE = "8xH200"
@@ -60,15 +68,31 @@ def availability(ctx: AppContext) -> tuple[bool | None, str]:
     if not info.get("laneplay", True):
         return False, ("The DTP view needs a Laneplay engine: the server at the engine URL does not speak "
                        "Laneplay's extension (per-request collectives and per-rank timelines), so there is "
-                       "nothing to compare. Run `laneplay serve --world-size 2` (or point --engine-url at a "
-                       "`laneplay engine --world-size 2`).")
+                       "nothing to compare. Run `laneplay serve --world-size auto` (or point --engine-url at a "
+                       "`laneplay engine --world-size N` whose N divides the model).")
     ws = int(info.get("world_size") or 1)
     if ws < 2:
-        return False, ("This engine runs at world size 1: all lanes in one process, so there are no collectives "
-                       "to delay or expose. Run `laneplay serve --world-size 2` to start a local engine with 2 "
-                       "DTP ranks (CPU works), then come back here.")
+        return False, "This engine runs at world size 1: all lanes in one process, so there are no collectives " \
+                      "to delay or expose. " + how_to_split(info)
     return True, (f"{info.get('model')} on {info.get('device')} × {ws} DTP ranks. A/B runs the Playground's prompt "
                   "twice, greedy: delayed collectives, then wait-now.")
+
+
+def how_to_split(info: dict) -> str:
+    """Which `laneplay serve --world-size` starts a local engine this model splits over, from the sizes that
+    divide it (the engine's /health model config)."""
+    sizes, model = world_sizes(info.get("model_config")), info.get("model") or "the served model"
+    if sizes is None:
+        return ("Run `laneplay serve --world-size auto` to start a local engine with DTP ranks (CPU works): it "
+                "picks a size that divides the model, then come back here.")
+    if not sizes:
+        return (f"No world size from 2 to 8 divides {model} (a Llama model's attention heads, key-value heads and "
+                "MLP width; a Laneformer's lanes), so it cannot run DTP: serve a model that splits, e.g. a "
+                "Laneformer checkpoint.")
+    listed = ", ".join(map(str, sizes))
+    return (f"The sizes that divide {model}: {listed}. Run `laneplay serve --world-size {sizes[0]}` (or "
+            f"`--world-size auto`) to start a local engine with {sizes[0]} DTP ranks (CPU works), then come back "
+            "here.")
 
 
 def status_html(ctx: AppContext) -> str:
@@ -333,7 +357,7 @@ def _finish(run: Run, g: Generation) -> None:
     g.finish()
     col = g.columns[0]
     run.text, run.timing, run.meter = col.text, g.timing, col.meter
-    run.meter.note = f"{dict((c, label) for c, label, _ in MODES)[run.collectives]} · {run.meter.note}"
+    run.meter.note = f"{LABELS[run.collectives]} · {run.meter.note}"
 
 
 class DTPView:
