@@ -79,14 +79,16 @@ class View:
     meter: object = ""
     error: str = ""
     sid: object = None
-    last: dict = field(default_factory=dict)  # the meter record of this page's last run
+    # the meter record of this page's last run; `batch_1`: measured here, one sample alone (Side by side's
+    # reference), unlike a record History or a fork put back
+    last: dict = field(default_factory=dict)
 
     def row(self) -> tuple:
         return tuple(getattr(self, f.name) for f in fields(self))
 
 
 def view(col: Column, sid, problem: str = "") -> View:
-    return View(col.text, render(col.meter), error_html(problem), sid, asdict(col.meter))
+    return View(col.text, render(col.meter), error_html(problem), sid, {**asdict(col.meter), "batch_1": True})
 
 
 class Playground:

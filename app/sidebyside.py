@@ -248,7 +248,7 @@ def reference_ms(last: dict | None) -> float | None:
     """The batch-1 ms/token this page measured last: its last Playground generation (one sample alone on
     the engine), if it ran to the end or to Stop. Never another page's: each page keeps its own."""
     last = last or {}
-    if last.get("state") in ("done", "stopped") and (last.get("tokens") or 0) > 1:
+    if last.get("batch_1") and last.get("state") in ("done", "stopped") and (last.get("tokens") or 0) > 1:
         return last.get("ms_per_token") or None
     return None
 

@@ -106,10 +106,12 @@ def test_aggregate_arithmetic():
 
 def test_the_batch_1_reference_is_this_pages_own_last_playground_run():
     assert reference_ms(None) is None and reference_ms({}) is None  # nothing measured in this page yet
-    assert reference_ms({"state": "done", "tokens": 40, "ms_per_token": 12.5}) == 12.5
-    assert reference_ms({"state": "stopped", "tokens": 9, "ms_per_token": 11.0}) == 11.0  # up to the stop
-    assert reference_ms({"state": "error", "tokens": 40, "ms_per_token": 12.5}) is None
-    assert reference_ms({"state": "done", "tokens": 1, "ms_per_token": None}) is None  # one token: no step time
+    run = {"batch_1": True, "state": "done", "tokens": 40, "ms_per_token": 12.5}
+    assert reference_ms(run) == 12.5
+    assert reference_ms({**run, "state": "stopped", "ms_per_token": 11.0}) == 11.0  # up to the stop
+    assert reference_ms({**run, "state": "error"}) is None
+    assert reference_ms({**run, "tokens": 1, "ms_per_token": None}) is None  # one token: no step time
+    assert reference_ms({**run, "batch_1": False}) is None  # a stored record History put back: maybe a batch
     html = aggregate_html(aggregate([10, 10], 1.0, 12.5), 12.5, "done")
     assert "this page's last Playground generation" in html and 'data-single-ms-per-token="12.50"' in html
 
@@ -152,6 +154,15 @@ def fake_engine() -> FastAPI:
         async def events():
             if "samples" in body:
                 yield ": laneplay running\n\n"
+            if body.get("max_tokens") == 7:  # sample 0 ends at once with its timing; sample 1 runs until stopped
+                first = {"index": 0, "delta": {"content": "a"}, "finish_reason": "stop"}
+                timing = {"index": 0, "ttft_ms": 4.0, "decode_tokens_per_second": None, "ms_per_token": None,
+                          "completion_tokens": 1}
+                yield f"data: {json.dumps({'choices': [first], 'laneplay': {'per_choice': [timing]}})}\n\n"
+                for _ in range(200):
+                    await asyncio.sleep(0.02)
+                    yield f"data: {json.dumps({'choices': [{'index': 1, 'delta': {'content': 'b'}}]})}\n\n"
+                return
             for k in range(3):
                 for i, s in enumerate(samples):
                     await asyncio.sleep(0.01)
@@ -221,6 +232,18 @@ def test_stop_ends_the_streams_and_keeps_what_came(engine):
     assert b.cancelled and all(c.meter.state in ("done", "stopped") for c in b.columns)
     stopped = [c for c in b.columns if c.finish == "cancelled"]
     assert stopped and all(c.meter.state == "stopped" and c.meter.source == "app" for c in stopped)
+
+
+def test_stop_keeps_the_engines_timing_of_a_finished_column_and_says_stopped_for_the_rest(engine):
+    shared, cols = settings(2, [0, 0.8], [1, 1], [0, 0], [0, 1], 7, "")
+    t0 = time.monotonic()
+    b = run_batch(engine, engine_requests(True, "chat", "", "x", shared, cols), 2,
+                  wanted=lambda: time.monotonic() - t0 < 0.5)
+    assert b.finish() is None and b.cancelled
+    done, cut = b.columns
+    assert (done.meter.state, done.meter.source, done.meter.ttft_ms, done.finish) == ("done", "server", 4.0, "stop")
+    assert cut.meter.state == "stopped" and cut.meter.source == "app" and cut.finish == "cancelled"
+    assert cut.meter.tokens >= 3 and cut.meter.tps and cut.text.startswith("bbb")  # the app's timing up to Stop
 
 
 def test_an_engine_error_is_one_message_and_every_meter_says_error(engine):
