@@ -101,7 +101,7 @@ class Playground:
                        request: gr.Request):
         try:  # everything is checked first: a bad value is a message, nothing stored, nothing sent
             code_text, instruction_text = check_texts(code_text, instruction_text, mode_value)
-            params = sampling(temp, tp, tk, mt, sd, stop_text)
+            params = sampling(temp, tp, tk, mt, sd, stop_text, self.ctx.engine.info)  # max tokens: its context
             owner = admit_generation(self.ctx, request)
         except (InputError, Limited) as e:
             bad = MeterData(state="error", note="limited" if isinstance(e, Limited) else "invalid input")
@@ -119,7 +119,7 @@ class Playground:
     async def _generate(self, ticket: Ticket, code_text, instruction_text, mode_value, params, sid, owner):
         ctx = self.ctx
         body, chat = request_body(mode_value, code_text, instruction_text, params, None)
-        g = Generation.of(1, **params)
+        g = Generation.of(1)
         col = g.columns[0]
         async for _ in g.run(ctx, [(None, body, chat)], ticket.wanted):
             yield view(col, sid)
