@@ -10,6 +10,18 @@ import sys
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
+def world_size(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of ranks or auto, got {text!r}") from None
+    if not 1 <= n <= 8:
+        raise argparse.ArgumentTypeError(f"the world size must be 1 to 8 or auto, got {n}")
+    return n
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=7860)
@@ -22,7 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="local engine: cpu or cuda")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "int8", "int4"),
                    help="local engine weights: auto (int4 on the CPU, float32 on CUDA), float32, bfloat16, float16, int8, int4")
-    p.add_argument("--world-size", type=int, default=1, help="local engine: DTP ranks")
+    p.add_argument("--world-size", type=world_size, default=1,
+                   help="local engine: DTP ranks; it must divide the model (a Llama model's attention and key-value "
+                        "heads, a Laneformer's lanes), or auto: the smallest size above 1 that does")
     p.add_argument("--no-compile", action="store_true", help="local engine: run the decode step eagerly")
     p.add_argument("--db", default=None, help="database URL (default: $LANEPLAY_DATABASE_URL, else "
                                               "$LANEPLAY_DATA_DIR/laneplay.db, data dir ./data)")

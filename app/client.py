@@ -44,7 +44,9 @@ class StreamEvent:
     index: int = 0
     text: str = ""
     position: int | None = None  # queue position while queued
-    timing: dict | None = None  # "done": the server's laneplay record (or None)
+    # "delta": {"finish_reason", "server": the engine's timing of a choice that just finished (or None)};
+    # "done": the server's laneplay record of the whole request (or None)
+    timing: dict | None = None
     usage: dict | None = None  # "done": the usage record, when the server sends one
 
 
@@ -121,17 +123,20 @@ class EngineClient:
             if "error" in obj:
                 err = obj["error"] if isinstance(obj["error"], dict) else {"message": str(obj["error"])}
                 raise EngineError(f"The engine failed: {err.get('message', 'unknown error')}")
-            if isinstance(obj.get("laneplay"), dict) and "ttft_ms" in obj["laneplay"]:
-                timing = obj["laneplay"]
+            ours = obj.get("laneplay") if isinstance(obj.get("laneplay"), dict) else {}
+            if "ttft_ms" in ours:
+                timing = ours
             if isinstance(obj.get("usage"), dict):
                 usage = obj["usage"]
+            finished = {t.get("index", 0): t for t in ours.get("per_choice") or [] if isinstance(t, dict)}
             for choice in obj.get("choices") or []:
                 if chat:
                     text = (choice.get("delta") or {}).get("content") or ""
                 else:
                     text = choice.get("text") or ""
-                yield StreamEvent("delta", index=int(choice.get("index", 0)), text=text,
-                                  position=None, timing={"finish_reason": choice.get("finish_reason")})
+                index = int(choice.get("index", 0))
+                yield StreamEvent("delta", index=index, text=text, position=None,
+                                  timing={"finish_reason": choice.get("finish_reason"), "server": finished.get(index)})
         yield StreamEvent("done", timing=timing, usage=usage)
 
     @staticmethod

@@ -13,26 +13,33 @@ Beside it, `#dtp-prediction`: the performance model's estimate for 8×H200 (benc
 served model when it splits over 8 GPUs, else for Laneformer 2B, saying which. An A/B is a measurement,
 not a generation of the session: nothing is stored.
 
-The view needs a Laneplay engine (the extension and the timeline are ours) running at world size 2 or
-more (`laneplay serve --world-size 2`); otherwise it says so and A/B is off.
+The view needs a Laneplay engine (the extension and the timeline are ours) running at a world size of 2
+or more that divides the served model (`laneplay serve --world-size auto` picks one); otherwise it says
+so, with the sizes that would do, and A/B is off.
 """
 from __future__ import annotations
 
 import asyncio
 import html
-import time
-from contextlib import aclosing
 from dataclasses import dataclass, field, fields, replace
 
 import gradio as gr
-
 from laneplay.app import playground
-from laneplay.app.client import EngineError, StreamTimer
-from laneplay.app.context import AppContext, InputError, check_texts, request_body, sampling
-from laneplay.app.quota import Limited
+from laneplay.app.client import EngineError
+from laneplay.app.context import (
+    AppContext,
+    InputError,
+    check_texts,
+    request_body,
+    sampling,
+)
 from laneplay.app.meter import MeterData, render
+from laneplay.app.quota import Limited
+from laneplay.app.stream import Generation, engine_ready
+from laneplay.app.supervisor import world_sizes
 
 MODES = (("delayed", "delayed (DTP)", "dtp-meter-delayed"), ("wait_now", "wait now (exposed)", "dtp-meter-wait"))
+LABELS = {collectives: label for collectives, label, _ in MODES}
 DEFAULT_MAX_TOKENS = 64
 MAX_AB_TOKENS = 512
 NODE = "8xH200"
@@ -61,15 +68,31 @@ def availability(ctx: AppContext) -> tuple[bool | None, str]:
     if not info.get("laneplay", True):
         return False, ("The DTP view needs a Laneplay engine: the server at the engine URL does not speak "
                        "Laneplay's extension (per-request collectives and per-rank timelines), so there is "
-                       "nothing to compare. Run `laneplay serve --world-size 2` (or point --engine-url at a "
-                       "`laneplay engine --world-size 2`).")
+                       "nothing to compare. Run `laneplay serve --world-size auto` (or point --engine-url at a "
+                       "`laneplay engine --world-size N` whose N divides the model).")
     ws = int(info.get("world_size") or 1)
     if ws < 2:
-        return False, ("This engine runs at world size 1: all lanes in one process, so there are no collectives "
-                       "to delay or expose. Run `laneplay serve --world-size 2` to start a local engine with 2 "
-                       "DTP ranks (CPU works), then come back here.")
+        return False, "This engine runs at world size 1: all lanes in one process, so there are no collectives " \
+                      "to delay or expose. " + how_to_split(info)
     return True, (f"{info.get('model')} on {info.get('device')} × {ws} DTP ranks. A/B runs the Playground's prompt "
                   "twice, greedy: delayed collectives, then wait-now.")
+
+
+def how_to_split(info: dict) -> str:
+    """Which `laneplay serve --world-size` starts a local engine this model splits over, from the sizes that
+    divide it (the engine's /health model config)."""
+    sizes, model = world_sizes(info.get("model_config")), info.get("model") or "the served model"
+    if sizes is None:
+        return ("Run `laneplay serve --world-size auto` to start a local engine with DTP ranks (CPU works): it "
+                "picks a size that divides the model, then come back here.")
+    if not sizes:
+        return (f"No world size from 2 to 8 divides {model} (a Llama model's attention heads, key-value heads and "
+                "MLP width; a Laneformer's lanes), so it cannot run DTP: serve a model that splits, e.g. a "
+                "Laneformer checkpoint.")
+    listed = ", ".join(map(str, sizes))
+    return (f"The sizes that divide {model}: {listed}. Run `laneplay serve --world-size {sizes[0]}` (or "
+            f"`--world-size auto`) to start a local engine with {sizes[0]} DTP ranks (CPU works), then come back "
+            "here.")
 
 
 def status_html(ctx: AppContext) -> str:
@@ -105,7 +128,6 @@ class Run:
     """One mode's run: its meter, its text, and the engine's final `laneplay` record (with the timeline)."""
     collectives: str
     meter: MeterData = field(default_factory=lambda: MeterData(state="idle"))
-    timer: StreamTimer | None = None
     text: str = ""
     timing: dict | None = None
 
@@ -330,60 +352,88 @@ def _idle_meters(ctx: AppContext) -> list[str]:
                              note=label), elem_id, compact=True, resting=True) for _, label, elem_id in MODES]
 
 
-async def _stream(ctx: AppContext, run: Run, body: dict, chat: bool):
-    """One mode's stream into `run`; yields whenever the page should update (deltas at most 10 times a second)."""
-    events: asyncio.Queue = asyncio.Queue()
-    reader = asyncio.create_task(playground.stream_to(ctx, body, chat, events.put))
-    run.timer, run.meter.state = StreamTimer(), "queued"
-    last_push = 0.0
-    try:
-        while (ev := await events.get()) is not None:
-            if isinstance(ev, EngineError):
-                raise ev
-            m = run.meter
-            if ev.kind == "queued":
-                m.state, m.note = "queued", f"position {ev.position} in the engine's queue"
-            elif ev.kind == "running":
-                m.state, m.note = "running", "prefill"
-            elif ev.kind == "delta":
-                c = run.timer.on_delta(ev.index, ev.text, (ev.timing or {}).get("finish_reason"))
-                run.text += ev.text
-                m.state, m.note = "running", ""
-                m.tokens, m.tps, m.ttft_ms, m.ms_per_token, m.latencies_ms = \
-                    c.tokens, c.decode_tps, c.ttft_ms, c.ms_per_token, c.latencies_ms
-            elif ev.kind == "done":
-                run.timing = ev.timing
-            m.elapsed_ms = run.timer.elapsed_ms()
-            now = time.monotonic()
-            if ev.kind != "delta" or now - last_push >= playground.UPDATE_EVERY_S:
-                last_push = now
-                yield
-    finally:
-        reader.cancel()
-        await asyncio.gather(reader, return_exceptions=True)
+def _finish(run: Run, g: Generation) -> None:
+    """A mode's run as it ended: its meter, text and the engine's record (with the timeline)."""
+    g.finish()
+    col = g.columns[0]
+    run.text, run.timing, run.meter = col.text, g.timing, col.meter
+    run.meter.note = f"{LABELS[run.collectives]} · {run.meter.note}"
 
 
-def _finish(run: Run) -> None:
-    t = run.timing or {}
-    per_choice = (t.get("per_choice") or [{}])[0]
-    m = run.meter
-    if per_choice:
-        m.ttft_ms = per_choice.get("ttft_ms", m.ttft_ms)
-        m.tps = per_choice.get("decode_tokens_per_second", m.tps)
-        m.ms_per_token = per_choice.get("ms_per_token", m.ms_per_token)
-        m.tokens = per_choice.get("completion_tokens") or m.tokens
-        m.source = "server"
-    m.device, m.world_size = t.get("device", m.device), t.get("world_size", m.world_size)
-    m.dtype = t.get("dtype", m.dtype)
-    m.state = "done"
-    m.note = f"{dict((c, label) for c, label, _ in MODES)[run.collectives]} · finish: " \
-             f"{per_choice.get('finish_reason') or 'stop'}"
-    m.elapsed_ms = run.timer.elapsed_ms() if run.timer else m.elapsed_ms
+class DTPView:
+    """The tab's handlers: A/B (both modes, one after the other) and the refresh on selecting the tab."""
+
+    def __init__(self, ctx: AppContext):
+        self.ctx = ctx
+
+    def frame(self, runs: list[Run], problem: str = "", done: bool = False, fresh: bool = False):
+        """One page update: both meters, the error line, and (fresh: empty; at the end: this A/B's) the
+        timeline and table; the button is off while an A/B runs."""
+        ms = [render(r.meter, elem_id, compact=True) for r, (_, _, elem_id) in zip(runs, MODES)]
+        end = bool(done or problem)
+        return (*ms, playground.error_html(problem, "dtp-error"),
+                timeline_svg(runs) if end or fresh else gr.update(), table_html(runs) if end or fresh else gr.update(),
+                gr.update(interactive=availability(self.ctx)[0] is not False) if end else gr.update(interactive=False))
+
+    async def run_ab(self, code_text, instruction_text, mode_value, mt, request: gr.Request):
+        ctx = self.ctx
+        runs = [Run(c, meter=MeterData(state="idle", note=label)) for c, label, _ in MODES]
+        try:
+            code_text, instruction_text = check_texts(code_text, instruction_text, mode_value)
+            n = sampling(0.0, 1.0, 0, mt, None, None, ctx.engine.info)["max_tokens"]
+            if n > MAX_AB_TOKENS:
+                raise InputError(f"Max tokens must be at most {MAX_AB_TOKENS} for an A/B (got {n}).")
+            playground.admit_generation(ctx, request)  # a cookie, and within the quota (the A/B counts once)
+            async for note in engine_ready(ctx.engine):  # a loading engine: wait, saying so
+                for r in runs:
+                    r.meter.state, r.meter.note = "loading", note
+                yield self.frame(runs)
+        except (InputError, Limited, EngineError) as e:
+            yield self.frame(runs, str(e))
+            return
+        ok, message = availability(ctx)
+        if not ok:
+            yield self.frame(runs, message)
+            return
+        for r in runs:
+            r.meter = MeterData(state="queued", note=r.meter.note)
+        yield self.frame(runs, fresh=True)
+        for r, (collectives, body, chat) in zip(runs, ab_requests(mode_value, code_text, instruction_text, n)):
+            g = Generation.of(1)
+            async for _ in g.run(ctx, [(None, body, chat)]):
+                r.meter = g.columns[0].meter
+                yield self.frame(runs)
+            _finish(r, g)
+            if g.failure is not None:
+                yield self.frame(runs, g.failure)
+                return
+            if r.timeline is None:
+                yield self.frame(runs, "The engine sent no timeline: it is not a Laneplay DTP engine of this version.")
+                return
+            yield self.frame(runs)
+        yield self.frame(runs, done=True)
+
+    async def refresh(self):
+        """On selecting the tab: what the engine allows, the button, the prediction, resting meters."""
+        ctx = self.ctx
+        ok, _ = availability(ctx)
+        raw, name = None, (ctx.engine.info or {}).get("model")
+        if ctx.engine.ready and (ctx.engine.info or {}).get("laneplay", True):
+            try:
+                raw = (await ctx.client().health()).get("model_config")
+            except Exception:  # noqa: BLE001 - the prediction then falls back to Laneformer 2B
+                raw = None
+        if ctx.engine.ready:
+            prediction_box = prediction_html(await asyncio.to_thread(prediction, raw, name))
+        else:
+            prediction_box = gr.update()
+        return status_html(ctx), gr.update(interactive=ok is not False), prediction_box
 
 
 def build(ctx: AppContext, pg: dict) -> dict:
     """The tab's components and events. `pg`: the Playground's components (its editor, instruction and mode
     are the prompt). Returns what web.py wires to the tab's select."""
+    tab = DTPView(ctx)
     with gr.Row(equal_height=False):
         with gr.Column(scale=3):
             status = gr.HTML(status_html(ctx), elem_id="dtp-status-box")
@@ -401,79 +451,7 @@ def build(ctx: AppContext, pg: dict) -> dict:
     timeline = gr.HTML(timeline_svg([]), elem_id="dtp-timeline-box")
     table = gr.HTML(table_html([]), elem_id="dtp-table-box")
 
-    def frame(runs: list[Run], problem: str = "", done: bool = False, fresh: bool = False):
-        """One page update: both meters, the error line, and (fresh: empty; at the end: this A/B's) the
-        timeline and table; the button is off while an A/B runs."""
-        ms = [render(r.meter, elem_id, compact=True) for r, (_, _, elem_id) in zip(runs, MODES)]
-        end = bool(done or problem)
-        return (*ms, playground.error_html(problem, "dtp-error"),
-                timeline_svg(runs) if end or fresh else gr.update(), table_html(runs) if end or fresh else gr.update(),
-                gr.update(interactive=availability(ctx)[0] is not False) if end else gr.update(interactive=False))
-
-    async def run_ab(code_text, instruction_text, mode_value, mt, request: gr.Request):
-        runs = [Run(c) for c, _, _ in MODES]
-        for r, (_, label, _) in zip(runs, MODES):
-            r.meter.note = label
-        try:
-            code_text, instruction_text = check_texts(code_text, instruction_text, mode_value)
-            n = sampling(0.0, 1.0, 0, mt, None, None)["max_tokens"]
-            if n > MAX_AB_TOKENS:
-                raise InputError(f"Max tokens must be at most {MAX_AB_TOKENS} for an A/B (got {n}).")
-            playground.admit_generation(ctx, request)  # a cookie, and within the quota (the A/B counts once)
-        except (InputError, Limited) as e:
-            yield frame(runs, str(e))
-            return
-        waited = time.monotonic()
-        while not ctx.engine.ready:  # a loading engine: wait, saying so
-            if time.monotonic() - waited > playground.ENGINE_WAIT_S:
-                yield frame(runs, f"The engine is not ready ({ctx.engine.state}: {ctx.engine.detail}).")
-                return
-            for r in runs:
-                r.meter.state, r.meter.note = "loading", f"{ctx.engine.state}: {ctx.engine.detail}"
-            yield frame(runs)
-            await asyncio.sleep(0.5)
-        ok, message = availability(ctx)
-        if not ok:
-            yield frame(runs, message)
-            return
-        info = ctx.engine.info or {}
-        for r in runs:
-            r.meter = MeterData(state="queued", device=info.get("device"), dtype=info.get("dtype"), world_size=info.get("world_size"),
-                                note=r.meter.note)
-        yield frame(runs, fresh=True)
-        for r, (collectives, body, chat) in zip(runs, ab_requests(mode_value, code_text, instruction_text, n)):
-            try:
-                async with aclosing(_stream(ctx, r, body, chat)) as updates:
-                    async for _ in updates:
-                        yield frame(runs)
-            except EngineError as e:
-                r.meter.state, r.meter.note = "error", ""
-                yield frame(runs, e.message)
-                return
-            _finish(r)
-            if r.timeline is None:
-                yield frame(runs, "The engine sent no timeline: it is not a Laneplay DTP engine of this version.")
-                return
-            yield frame(runs)
-        yield frame(runs, done=True)
-
-    ab.click(run_ab, [pg["code"], pg["instruction"], pg["mode"], max_tokens],
+    ab.click(tab.run_ab, [pg["code"], pg["instruction"], pg["mode"], max_tokens],
              [*meters, error, timeline, table, ab], concurrency_limit=None, api_name="dtp_ab",
              show_progress="hidden", trigger_mode="once")
-
-    async def refresh():
-        """On selecting the tab: what the engine allows, the button, the prediction, resting meters."""
-        ok, _ = availability(ctx)
-        raw, name = None, (ctx.engine.info or {}).get("model")
-        if ctx.engine.ready and (ctx.engine.info or {}).get("laneplay", True):
-            try:
-                raw = (await ctx.client().health()).get("model_config")
-            except Exception:  # noqa: BLE001 - the prediction then falls back to Laneformer 2B
-                raw = None
-        if ctx.engine.ready:
-            prediction_box = prediction_html(await asyncio.to_thread(prediction, raw, name))
-        else:
-            prediction_box = gr.update()
-        return status_html(ctx), gr.update(interactive=ok is not False), prediction_box
-
-    return {"refresh": refresh, "refresh_outputs": [status, ab, pred], "ab": ab}
+    return {"refresh": tab.refresh, "refresh_outputs": [status, ab, pred], "ab": ab}

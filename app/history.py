@@ -8,7 +8,7 @@ from dataclasses import asdict
 import gradio as gr
 
 from laneplay.app.context import AppContext
-from laneplay.app.meter import MeterData, render
+from laneplay.app.meter import MeterData, of_stored, render
 from laneplay.storage import NotFound, ValidationError
 
 COLUMNS = ["Title", "Model", "Updated (UTC)", "Best tokens/s", "Generations", "Share links"]
@@ -74,17 +74,84 @@ def stored_meter(session: dict, note: str) -> dict | None:
     gens = session["generations"]
     if not gens:
         return None
-    g = gens[-1]
-    return asdict(MeterData(state="done", tokens=g["completion_tokens"] or 0, tps=g["decode_tokens_per_second"],
-                            ttft_ms=g["ttft_ms"], ms_per_token=g["ms_per_token"], device=g["device"],
-                            world_size=g["world_size"], note=note))
+    return asdict(of_stored(gens[-1], note))
+
+
+def _pick(ids_now, evt: gr.SelectData):
+    """The id of the row a click selected (None: no row)."""
+    row = evt.index[0] if isinstance(evt.index, (list, tuple)) else evt.index
+    return ids_now[row] if row is not None and row < len(ids_now) else None
+
+
+class History:
+    """The tab's handlers: every one answers the browser's own sessions and runs only."""
+
+    def __init__(self, ctx: AppContext, render_run):
+        self.ctx, self.render_run = ctx, render_run
+        self.refreshes = itertools.count(1)
+
+    def refresh(self, request: gr.Request):
+        owner = self.ctx.owner_of(request)
+        table_rows, session_ids = rows(self.ctx, owner)
+        n = len(session_ids)
+        summary = (f'<span id="history-count" data-count="{n}" data-seq="{next(self.refreshes)}">'
+                   f'{n} session{"s" if n != 1 else ""}</span>')
+        return (table_rows, session_ids, summary, *run_rows(self.ctx, owner))
+
+    def open_run(self, run_id, request: gr.Request):
+        owner = self.ctx.owner_of(request)
+        if not run_id or not self.ctx.store.owns_comparison(run_id, owner):
+            return (gr.update(),) * 6 + ("Select one of your runs first.", gr.update())
+        return (run_id, *self.render_run(run_id, owner)) + ("", gr.Tabs(selected="passn"))
+
+    def pick(self, session_ids, evt: gr.SelectData, request: gr.Request):
+        sid = _pick(session_ids, evt)
+        owner = self.ctx.owner_of(request)
+        s = self.ctx.store.get_session(sid, owner=owner) if sid else None
+        if s is None:
+            return None, "", "", gr.update(choices=[], value=None)
+        return sid, s["title"], *links_view(self.ctx, sid, owner)
+
+    def rename(self, sid, new_title, request: gr.Request):
+        owner = self.ctx.owner_of(request)
+        if not sid or not self.ctx.store.owns(sid, owner):
+            return "Select one of your sessions first."
+        try:
+            self.ctx.store.update_session(sid, title=(new_title or "").strip() or "Untitled session", owner=owner)
+        except (ValidationError, NotFound) as e:
+            return f"Not renamed: {e}"
+        return "Renamed."
+
+    def delete(self, sid, request: gr.Request):
+        if not sid or not self.ctx.store.delete_session(sid, owner=self.ctx.owner_of(request)):
+            return "Select one of your sessions first.", None
+        return "Deleted (its share links are gone too).", None
+
+    def revoke(self, sid, link, request: gr.Request):
+        owner = self.ctx.owner_of(request)
+        if not sid or not self.ctx.store.owns(sid, owner) or not link:  # nothing of anyone else's in the answer
+            return "Select one of your sessions and one of its links first.", "", gr.update(choices=[], value=None)
+        ok = self.ctx.store.revoke_link(sid, link, owner=owner)
+        return ("Revoked: the link now shows “does not exist or was revoked”." if ok else "That link was already gone."), \
+            *links_view(self.ctx, sid, owner)
+
+    def open_session(self, sid, request: gr.Request):
+        s = self.ctx.store.get_session(sid, owner=self.ctx.owner_of(request)) if sid else None
+        if s is None:
+            return (gr.update(),) * 10 + ("Select one of your sessions first.", gr.update())
+        p = s["params"] or {}
+        record = stored_meter(s, "reopened")
+        return (sid, s["code"], s["instruction"], p.get("temperature", 0.0), p.get("top_p", 1.0), p.get("top_k", 0),
+                p.get("max_tokens", 256), s["generations"][-1]["text"] if s["generations"] else "",
+                render(MeterData(**record)) if record else gr.update(), record or {}, "",
+                gr.Tabs(selected="playground"))
 
 
 def build(ctx: AppContext, session_id: gr.State, pg: dict, tabs: gr.Tabs, pn: dict) -> dict:
+    tab = History(ctx, pn["render"])
     gr.Markdown("Sessions of this browser (kept in the app's database; other browsers never see them).")
     count = gr.HTML('<span id="history-count" data-count="" data-seq="0"></span>', elem_id="history-count-box")
-    ids = gr.State([])
-    selected = gr.State(None)
+    ids, selected = gr.State([]), gr.State(None)
     table = gr.Dataframe(headers=COLUMNS, value=[], interactive=False, elem_id="history", wrap=True,
                          column_widths=["34%", "16%", "16%", "12%", "11%", "11%"])
     with gr.Row():
@@ -100,87 +167,21 @@ def build(ctx: AppContext, session_id: gr.State, pg: dict, tabs: gr.Tabs, pn: di
         revoke_btn = gr.Button("Revoke link", elem_id="revoke", scale=1)
     notice = gr.Markdown("", elem_id="history-notice")
     gr.Markdown("pass@N runs of this browser (they are part of their session's share links).")
-    run_ids = gr.State([])
-    selected_run = gr.State(None)
+    run_ids, selected_run = gr.State([]), gr.State(None)
     runs_table = gr.Dataframe(headers=RUN_COLUMNS, value=[], interactive=False, elem_id="history-runs", wrap=True)
     open_run_btn = gr.Button("Open run in pass@N", elem_id="history-open-run")
     gr.HTML(FORGET_HTML, elem_id="history-forget-box")
 
-    refreshes = itertools.count(1)
-
-    def refresh(request: gr.Request):
-        owner = ctx.owner_of(request)
-        table_rows, session_ids = rows(ctx, owner)
-        n = len(session_ids)
-        summary = (f'<span id="history-count" data-count="{n}" data-seq="{next(refreshes)}">'
-                   f'{n} session{"s" if n != 1 else ""}</span>')
-        return (table_rows, session_ids, summary, *run_rows(ctx, owner))
-
-    def pick_run(ids_now, evt: gr.SelectData):
-        row = evt.index[0] if isinstance(evt.index, (list, tuple)) else evt.index
-        return ids_now[row] if row is not None and row < len(ids_now) else None
-
-    def open_run(run_id, request: gr.Request):
-        owner = ctx.owner_of(request)
-        if not run_id or not ctx.store.owns_comparison(run_id, owner):
-            return (gr.update(),) * 6 + ("Select one of your runs first.", gr.update())
-        return (run_id, *pn["render"](run_id, owner)) + ("", gr.Tabs(selected="passn"))
-
-    def pick(session_ids, evt: gr.SelectData, request: gr.Request):
-        row = evt.index[0] if isinstance(evt.index, (list, tuple)) else evt.index
-        if row is None or row >= len(session_ids):
-            return None, "", "", gr.update(choices=[], value=None)
-        sid = session_ids[row]
-        owner = ctx.owner_of(request)
-        s = ctx.store.get_session(sid, owner=owner)
-        if s is None:
-            return None, "", "", gr.update(choices=[], value=None)
-        return sid, s["title"], *links_view(ctx, sid, owner)
-
-    def rename(sid, new_title, request: gr.Request):
-        owner = ctx.owner_of(request)
-        if not sid or not ctx.store.owns(sid, owner):
-            return "Select one of your sessions first."
-        try:
-            ctx.store.update_session(sid, title=(new_title or "").strip() or "Untitled session", owner=owner)
-        except (ValidationError, NotFound) as e:
-            return f"Not renamed: {e}"
-        return "Renamed."
-
-    def delete(sid, request: gr.Request):
-        if not sid or not ctx.store.delete_session(sid, owner=ctx.owner_of(request)):
-            return "Select one of your sessions first.", None
-        return "Deleted (its share links are gone too).", None
-
-    def revoke(sid, link, request: gr.Request):
-        owner = ctx.owner_of(request)
-        if not sid or not ctx.store.owns(sid, owner) or not link:  # nothing of anyone else's in the answer
-            return "Select one of your sessions and one of its links first.", "", gr.update(choices=[], value=None)
-        ok = ctx.store.revoke_link(sid, link, owner=owner)
-        return ("Revoked: the link now shows “does not exist or was revoked”." if ok else "That link was already gone."), \
-            *links_view(ctx, sid, owner)
-
-    def open_session(sid, request: gr.Request):
-        s = ctx.store.get_session(sid, owner=ctx.owner_of(request)) if sid else None
-        if s is None:
-            return (gr.update(),) * 10 + ("Select one of your sessions first.", gr.update())
-        p = s["params"] or {}
-        record = stored_meter(s, "reopened")
-        return (sid, s["code"], s["instruction"], p.get("temperature", 0.0), p.get("top_p", 1.0), p.get("top_k", 0),
-                p.get("max_tokens", 256), s["generations"][-1]["text"] if s["generations"] else "",
-                render(MeterData(**record)) if record else gr.update(), record or {}, "",
-                gr.Tabs(selected="playground"))
-
     quiet = {"show_progress": "hidden"}  # no progress timers inside the notice or the table
-    reload = (refresh, None, [table, ids, count, runs_table, run_ids])
-    runs_table.select(pick_run, [run_ids], [selected_run], show_progress="hidden")
-    open_run_btn.click(open_run, [selected_run], pn["open_outputs"] + [notice, tabs], show_progress="hidden")
-    table.select(pick, [ids], [selected, title, links, link_choice], **quiet)
-    rename_btn.click(rename, [selected, title], [notice], **quiet).then(*reload, **quiet)
-    delete_btn.click(delete, [selected], [notice, selected], **quiet).then(*reload, **quiet)
-    revoke_btn.click(revoke, [selected, link_choice], [notice, links, link_choice], **quiet).then(*reload, **quiet)
-    open_btn.click(open_session, [selected], [session_id, pg["code"], pg["instruction"], pg["temperature"],
-                                              pg["top_p"], pg["top_k"], pg["max_tokens"], pg["output"], pg["meter"],
-                                              pg["last"], notice, tabs], show_progress="hidden")
-    return {"table": table, "ids": ids, "count": count, "refresh": refresh,
+    reload = (tab.refresh, None, [table, ids, count, runs_table, run_ids])
+    runs_table.select(_pick, [run_ids], [selected_run], **quiet)
+    open_run_btn.click(tab.open_run, [selected_run], pn["open_outputs"] + [notice, tabs], **quiet)
+    table.select(tab.pick, [ids], [selected, title, links, link_choice], **quiet)
+    rename_btn.click(tab.rename, [selected, title], [notice], **quiet).then(*reload, **quiet)
+    delete_btn.click(tab.delete, [selected], [notice, selected], **quiet).then(*reload, **quiet)
+    revoke_btn.click(tab.revoke, [selected, link_choice], [notice, links, link_choice], **quiet).then(*reload, **quiet)
+    open_btn.click(tab.open_session, [selected], [session_id, pg["code"], pg["instruction"], pg["temperature"],
+                                                  pg["top_p"], pg["top_k"], pg["max_tokens"], pg["output"],
+                                                  pg["meter"], pg["last"], notice, tabs], **quiet)
+    return {"table": table, "ids": ids, "count": count, "refresh": tab.refresh,
             "outputs": [table, ids, count, runs_table, run_ids]}

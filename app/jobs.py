@@ -21,8 +21,11 @@ import time
 from dataclasses import dataclass, field
 
 from laneplay.app.checks import SandboxMissing, check_code, sandbox_status
-from laneplay.app.client import EngineClient, EngineError, StreamTimer
+from laneplay.app.client import EngineClient, EngineError
+from laneplay.app.params import InputError, sampling
+from laneplay.app.stream import Generation, collect, engine_ready
 from laneplay.app.quota import PASSN_ACTIVE, PASSN_ACTIVE_PER_ADDRESS, PASSN_RUNNING
+from laneplay.limits import MAX_N
 from laneplay.evals.passk import KS, count_statuses, mean_pass_at_ks
 from laneplay.evals.engine_generate import REMOTE_STOP_LIMIT
 from laneplay.evals.problems import Problem
@@ -31,10 +34,9 @@ from laneplay.evals.prompting import (STOP_SEQUENCES, chat_messages, completion_
 
 log = logging.getLogger("laneplay.app.jobs")
 
-N_CHOICES = (1, 2, 4, 8, 16)
+N_CHOICES = tuple(k for k in KS if k <= MAX_N)  # 1, 2, 4, 8, 16: the k of the pass@k table
 MAX_RUN_PROBLEMS = 40  # one run; HumanEval has 164 (a full sweep is `laneplay eval`'s job)
 CALIBRATION_TOKENS = 16
-ENGINE_WAIT_S = 600.0
 BUSY_RETRIES = 20
 
 
@@ -56,18 +58,19 @@ class RunConfig:
     mode: str = "instruct"  # "instruct": chat template, code from the answer; "base": completion
     timeout_s: float = 10.0
 
-    def validate(self) -> None:
+    def validate(self, info: dict | None = None) -> None:
+        """The engine's bounds (`app.params`; `info`: the engine's, whose context bounds max_tokens), and
+        pass@N's own: N a power of two for the pass@k table, sampled (temperature > 0: the greedy answer
+        is always part of the run), a per-check timeout the sandbox allows."""
         if self.n not in N_CHOICES:
             raise RunInputError(f"N must be one of {', '.join(map(str, N_CHOICES))} (got {self.n}).")
-        if not 0.0 < self.temperature <= 2.0:
-            raise RunInputError(f"The sampling temperature must be in (0, 2] (got {self.temperature}); "
-                                "the greedy baseline is always part of the run.")
-        if not 0.0 < self.top_p <= 1.0:
-            raise RunInputError(f"Top-p must be in (0, 1] (got {self.top_p}).")
-        if not 1 <= self.max_tokens <= 2048:
-            raise RunInputError(f"Max tokens must be between 1 and 2048 (got {self.max_tokens}).")
-        if not 0 <= self.seed < 2**63:
-            raise RunInputError(f"The seed must be between 0 and 2^63 - 1 (got {self.seed}).")
+        if self.temperature == 0:
+            raise RunInputError("The sampling temperature must be greater than 0; the greedy baseline is always "
+                                "part of the run.")
+        try:
+            sampling(self.temperature, self.top_p, 0, self.max_tokens, self.seed, None, info, n=self.n)
+        except InputError as e:
+            raise RunInputError(str(e)) from None
         if self.mode not in ("instruct", "base"):
             raise RunInputError(f"Mode must be instruct or base (got {self.mode}).")
         if not 0.5 <= self.timeout_s <= 60.0:
@@ -119,26 +122,14 @@ class Reply:
     tokens: list[int]  # per choice
 
 
-async def collect(client: EngineClient, body: dict, chat: bool, n: int) -> Reply:
-    """One request, streamed and gathered per choice, with its timing."""
-    timer = StreamTimer()
-    texts = [""] * n
-    timing = None
-    async for ev in client.stream(body, chat):
-        if ev.kind == "delta" and 0 <= ev.index < n:
-            texts[ev.index] += ev.text
-            timer.on_delta(ev.index, ev.text, (ev.timing or {}).get("finish_reason"))
-        elif ev.kind == "done":
-            timing = ev.timing
-    per_choice = (timing or {}).get("per_choice") or []
-    choices = [timer.choices.get(i) for i in range(n)]
-    tokens = [int(pc.get("completion_tokens") or 0) for pc in per_choice] if len(per_choice) == n else \
-        [c.tokens if c else 0 for c in choices]
-    steps = [pc.get("ms_per_token") for pc in per_choice if pc.get("ms_per_token")] or \
-        [c.ms_per_token for c in choices if c and c.ms_per_token]
-    ttfts = [pc.get("ttft_ms") for pc in per_choice if pc.get("ttft_ms") is not None] or \
-        [c.ttft_ms for c in choices if c and c.ttft_ms is not None]
-    return Reply(texts, timer.elapsed_ms(), min(ttfts) if ttfts else None, max(steps) if steps else None, tokens)
+def reply_of(g: Generation) -> Reply:
+    """A finished request's texts and timing: each choice's as its meter ends with it (the engine's timing
+    when it sent it, else the app's), the batch's step time its slowest choice's."""
+    cols = g.columns
+    steps = [c.meter.ms_per_token for c in cols if c.meter.ms_per_token]
+    ttfts = [c.meter.ttft_ms for c in cols if c.meter.ttft_ms is not None]
+    return Reply([c.text for c in cols], g.timer.elapsed_ms(), min(ttfts) if ttfts else None,
+                 max(steps) if steps else None, [int(c.meter.tokens or 0) for c in cols])
 
 
 def extract(problem: Problem, mode: str, text: str):
@@ -173,7 +164,7 @@ class JobManager:
     async def start(self, *, owner: str, session_id: str, problems: list[Problem], problem_set: str,
                     config: RunConfig, model: str = "", address: str = "local") -> str:
         """Stores the run and starts its job; returns the run (comparison) id."""
-        config.validate()
+        config.validate(self.engine.info)
         if not problems:
             raise RunInputError("Choose at least one problem.")
         if len(problems) > MAX_RUN_PROBLEMS:
@@ -262,13 +253,12 @@ class JobManager:
         if status != "done":
             self._set_status(job, status, error)
 
+    def client(self) -> EngineClient:
+        return EngineClient(self.engine.url, api_key=self.engine.api_key)
+
     async def _wait_engine(self, job: _Job) -> None:
-        waited = time.monotonic()
-        while not self.engine.ready:
+        async for _ in engine_ready(self.engine):
             job.phase = f"waiting for the engine ({self.engine.state})"
-            if time.monotonic() - waited > ENGINE_WAIT_S:
-                raise EngineError(f"The engine is not ready ({self.engine.state}: {self.engine.detail}).")
-            await asyncio.sleep(0.5)
 
     async def _request(self, job: _Job, body: dict, chat: bool, n: int) -> Reply:
         """A request with the engine's own back-pressure respected: a restarting engine is waited for,
@@ -276,7 +266,7 @@ class JobManager:
         for attempt in range(BUSY_RETRIES + 1):
             await self._wait_engine(job)
             try:
-                return await collect(EngineClient(self.engine.url, api_key=self.engine.api_key), body, chat, n)
+                return reply_of(await collect(self, body, chat, n))
             except EngineError as e:
                 if attempt == BUSY_RETRIES or e.kind not in ("busy", "unreachable"):
                     raise

@@ -2,7 +2,8 @@
 
 The server renders it on every (throttled) update; `static/meter.js` draws the per-token latency
 sparkline from `data-latencies` and keeps `elapsed` ticking between updates. Machine-readable:
-`data-state` (loading | idle | queued | running | done | error), `data-tokens`, `data-tps`,
+`data-state` (loading | idle | queued | running | done | stopped | error: `stopped` is a run that
+Stop ended, its numbers up to the stop; `error` has a note that says what failed), `data-tokens`, `data-tps`,
 `data-ttft-ms`, plus `data-ms-per-token`, `data-elapsed-ms`, `data-source` ("server": the engine's
 own timing; "app": timed here from the stream, for servers that send none).
 """
@@ -11,7 +12,9 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass, field
 
-STATES = ("loading", "idle", "queued", "running", "done", "error")
+STATES = ("loading", "idle", "queued", "running", "done", "stopped", "error")
+STATE_TITLES = {"stopped": "ended by Stop: the numbers cover what ran up to the stop",
+                "done": "the engine finished this request"}
 MAX_SPARK_POINTS = 160
 
 
@@ -29,6 +32,15 @@ class MeterData:
     latencies_ms: list[float] = field(default_factory=list)
     source: str = "server"
     note: str = ""  # queue position, finish reason, engine stage, ...
+
+
+def of_stored(g: dict, note: str | None = None) -> MeterData:
+    """The meter of a stored generation: `stopped` when Stop ended it, else `done`; `note`, else its finish."""
+    stopped = g.get("finish_reason") == "cancelled"
+    return MeterData(state="stopped" if stopped else "done", tokens=g["completion_tokens"] or 0,
+                     tps=g["decode_tokens_per_second"], ttft_ms=g["ttft_ms"], ms_per_token=g["ms_per_token"],
+                     device=g["device"], world_size=g["world_size"],
+                     note=note if note is not None else f"finish: {g['finish_reason'] or '–'}")
 
 
 def _title(text: str) -> str:
@@ -66,8 +78,11 @@ def render(d: MeterData, elem_id: str = "meter", compact: bool = False, resting:
         cells += [("elapsed", f"{d.elapsed_ms / 1000:.1f} s", "elapsed"), ("runs on", where or "–", "where")]
     body = "".join(f'<div class="lp-cell lp-{key}"><span class="lp-k">{k}</span>'
                    f'<span class="lp-v"{_title(v) if key == "where" else ""}>{html.escape(v)}</span></div>' for k, v, key in cells)
-    source = "" if d.source == "server" else '<span class="lp-src" title="the server sent no timing">app-side timing</span>'
+    why = ("the engine's timing of a stopped request did not arrive: timed here, from the stream"
+           if d.state == "stopped" else "the server sent no timing: timed here, from the stream")
+    source = "" if d.source == "server" else f'<span class="lp-src"{_title(why)}>app-side timing</span>'
     note = f'<span class="lp-note">{html.escape(d.note)}</span>' if d.note else ""
-    return (f'<div {a}><div class="lp-head"><span class="lp-state">{d.state}</span>{note}{source}</div>'
+    state_title = _title(STATE_TITLES[d.state]) if d.state in STATE_TITLES else ""
+    return (f'<div {a}><div class="lp-head"><span class="lp-state"{state_title}>{d.state}</span>{note}{source}</div>'
             f'<div class="lp-cells">{body}</div><svg class="lp-spark" viewBox="0 0 200 36" preserveAspectRatio="none">'
             f'</svg></div>')

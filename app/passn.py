@@ -9,7 +9,7 @@ import html
 import gradio as gr
 
 from laneplay.app.checks import SandboxMissing, sandbox_status
-from laneplay.app.context import AppContext
+from laneplay.app.context import AppContext, InputError, sampling
 from laneplay.app.jobs import MAX_RUN_PROBLEMS, N_CHOICES, Busy, RunConfig, RunInputError
 from laneplay.app.passn_view import chart_svg, compare_html, detail_box, grid_html, label, progress_html, table_html
 from laneplay.evals.problems import ProblemError, humaneval, select, user_problem
@@ -69,112 +69,48 @@ def chosen_problems(source: str, spec: str, prompt: str, tests: str):
 
 
 def config_of(n, temperature, top_p, max_tokens, seed, mode) -> RunConfig:
-    def num(name, v, cast):
-        try:
-            x = cast(v)
-        except (TypeError, ValueError, OverflowError):
-            raise RunInputError(f"{name} must be a number (got {v!r}).") from None
-        if x != x:
-            raise RunInputError(f"{name} must be a number.")
-        return x
-
-    def whole(name, v):
-        x = num(name, v, float)
-        if x != int(x):
-            raise RunInputError(f"{name} must be a whole number (got {v}).")
-        return int(x)
-
-    config = RunConfig(n=whole("N", n), temperature=num("Temperature", temperature, float),
-                       top_p=num("Top-p", top_p, float), max_tokens=whole("Max tokens", max_tokens),
-                       seed=whole("Seed", 0 if seed in (None, "") else seed), mode=str(mode))
+    """The run's configuration from the tab's inputs, checked (the engine's bounds, pass@N's own)."""
+    try:
+        p = sampling(temperature, top_p, 0, max_tokens, 0 if seed in (None, "") else seed, None, n=n)
+    except InputError as e:
+        raise RunInputError(str(e)) from None
+    config = RunConfig(n=p["n"], temperature=p["temperature"], top_p=p["top_p"], max_tokens=p["max_tokens"],
+                       seed=p["seed"], mode=str(mode))
     config.validate()
     return config
 
 
-def build(ctx: AppContext, session_id: gr.State, pg: dict) -> dict:
-    ok, why = sandbox_status()
-    gr.Markdown("Is sampling N times worth its latency? Each problem gets a greedy answer and **N samples as one "
-                "batched request**; every answer runs against the problem's tests in the sandbox. The run is a job on "
-                "the server: reload or close the page and it goes on; reopen it here or from History.")
-    gr.HTML("" if ok else message_html(f"The sandbox is unavailable, so this tab runs nothing: {why}",
-                                       "passn-sandbox"))
-    with gr.Row(equal_height=False):
-        with gr.Column(scale=6):
-            source = gr.Radio([("HumanEval", "humaneval"), ("My own problem", "own")], value="humaneval",
-                              label="Problems", elem_id="passn-source", interactive=True)
-            with gr.Group(visible=True) as he_box:
-                problems = gr.Textbox(value="0-2", label="HumanEval problems: positions, ranges A-B (end exclusive), "
-                                      "ids", placeholder="0-5, 12, HumanEval/31", elem_id="passn-problems",
-                                      interactive=True, max_lines=2)
-                with gr.Row(equal_height=True):
-                    search = gr.Textbox(label="Search by id or text", placeholder="e.g. palindrome", scale=3,
-                                        elem_id="passn-search", interactive=True, max_lines=1)
-                    found = gr.Dropdown(choices=[], multiselect=True, label="Matches", scale=5,
-                                        elem_id="passn-found", interactive=True)
-                    add = gr.Button("Add to the list", elem_id="passn-add", scale=1, min_width=100)
-            with gr.Group(visible=False) as own_box:
-                own_prompt = gr.Code(EXAMPLE_PROMPT, language="python", label="Prompt: a function stub (or an "
-                                     "instruction that names the function)", elem_id="passn-prompt", lines=5,
-                                     interactive=True)
-                own_tests = gr.Code(EXAMPLE_TESTS, language="python", label="Tests: asserts that call the function",
-                                    elem_id="passn-tests", lines=4, interactive=True)
-        with gr.Column(scale=5):
-            n = gr.Radio([str(k) for k in N_CHOICES], value="4", label="N: samples per problem", elem_id="passn-n",
-                         interactive=True)
-            temperature = gr.Slider(0.05, 2.0, value=0.8, step=0.05, label="Temperature of the samples (greedy is 0)",
-                                    elem_id="passn-temperature", interactive=True)
-            top_p = gr.Slider(0.05, 1.0, value=0.95, step=0.05, label="Top-p", elem_id="passn-top-p",
-                              interactive=True)
-            with gr.Row():
-                max_tokens = gr.Number(value=256, precision=0, label="Max tokens", elem_id="passn-max-tokens",
-                                       interactive=True, min_width=80)
-                seed = gr.Number(value=0, precision=0, label="Seed (sample i: seed + i)", elem_id="passn-seed",
-                                 interactive=True, min_width=80)
-            mode = gr.Radio([("Chat: code from the answer", "instruct"), ("Completion of the prompt", "base")],
-                            value="instruct", label="Prompting", elem_id="passn-mode", interactive=True)
-            with gr.Row():
-                run_btn = gr.Button("Run", variant="primary", elem_id="passn-run", interactive=ok)
-                cancel_btn = gr.Button("Cancel", variant="stop", elem_id="passn-cancel")
-                share_btn = gr.Button("Share", elem_id="passn-share")
-    error = gr.HTML(message_html(""), elem_id="passn-error-box")
-    share_box = gr.HTML("", elem_id="passn-share-box")
-    progress = gr.HTML(progress_html(None), elem_id="passn-progress-box")
-    with gr.Row(equal_height=False):
-        with gr.Column(scale=5):
-            grid = gr.HTML(grid_html(None, ""), elem_id="passn-grid-box")
-            gr.HTML(detail_box(), elem_id="passn-detail-box")
-        with gr.Column(scale=5):
-            table = gr.HTML(table_html(None), elem_id="passn-table-box")
-            chart = gr.HTML(chart_svg([]), elem_id="passn-chart-box")
-    with gr.Accordion("Your runs: reopen one, or compare two or more", open=True):
-        with gr.Row(equal_height=True):
-            runs = gr.Dropdown(choices=[], multiselect=True, label="Runs of this browser", elem_id="passn-runs",
-                               scale=6, interactive=True)
-            open_btn = gr.Button("Open", elem_id="passn-open", scale=1, min_width=80)
-            compare_btn = gr.Button("Compare", elem_id="passn-compare", scale=1, min_width=90)
-        compare_table = gr.HTML(compare_html([]), elem_id="passn-compare-box")
-        compare_chart = gr.HTML(chart_svg([], "passn-compare-chart"), elem_id="passn-compare-chart-box")
-    current = gr.State(None)  # the run shown
-    shown = gr.State("")  # what the grid/table/chart show now (re-rendered only when it changes)
+def add_found(spec, picked):
+    """The picked search matches appended to the problem list (each once)."""
+    have = [s.strip() for s in (spec or "").split(",") if s.strip()]
+    return ", ".join(have + [p for p in (picked or []) if p not in have])
 
-    def run_list(owner):
+
+class PassN:
+    """The tab's handlers: start, cancel, follow, reopen and compare runs (jobs of `app.jobs`)."""
+
+    def __init__(self, ctx: AppContext, make_share):
+        self.ctx, self.make_share = ctx, make_share
+
+    def run_list(self, owner):
         if owner is None:
             return gr.update(choices=[])
         return gr.update(choices=[(f"{label(r)} · {r['status']}", r["id"]) for r in
-                                  ctx.store.list_comparisons(limit=100, owner=owner)])
+                                  self.ctx.store.list_comparisons(limit=100, owner=owner)])
 
-    def render(run_id, owner, last_key=""):
+    def render(self, run_id, owner, last_key=""):
         """(progress, grid, table, chart, key) of a run this owner may see; unchanged parts as updates."""
-        run = ctx.store.get_comparison(run_id, owner=owner) if run_id else None
+        run = self.ctx.store.get_comparison(run_id, owner=owner) if run_id else None
         if run is None:
             return progress_html(None), grid_html(None, ""), table_html(None), chart_svg([]), ""
         key = f"{run['id']}:{run['status']}:{len(run['results'])}:{len(run.get('timing') or {})}"
-        prog = progress_html(run, ctx.jobs.live(run_id))
+        prog = progress_html(run, self.ctx.jobs.live(run_id))
         if key == last_key:
             return prog, gr.update(), gr.update(), gr.update(), key
         return prog, grid_html(run, f"/api/runs/{run['id']}/sample"), table_html(run), chart_svg([run]), key
 
-    async def start(src, spec, prompt, tests, n_v, t_v, p_v, mt_v, seed_v, mode_v, sid, request: gr.Request):
+    async def start(self, src, spec, prompt, tests, n_v, t_v, p_v, mt_v, seed_v, mode_v, sid, request: gr.Request):
+        ctx = self.ctx
         owner = ctx.owner_of(request)
         keep = (gr.update(),) * 6
         if owner is None:
@@ -195,82 +131,154 @@ def build(ctx: AppContext, session_id: gr.State, pg: dict) -> dict:
                                           address=ctx.address_of(request))
         except (RunInputError, Busy, SandboxMissing, ValidationError) as e:
             return (gr.update(), sid, message_html(str(e))) + keep
-        prog, g, t, c, key = render(run_id, owner)
-        return run_id, sid, message_html(""), prog, g, t, c, key, run_list(owner)
+        prog, g, t, c, key = self.render(run_id, owner)
+        return run_id, sid, message_html(""), prog, g, t, c, key, self.run_list(owner)
 
-    def cancel(run_id, request: gr.Request):
-        if run_id and ctx.jobs.cancel(run_id, ctx.owner_of(request)):
+    def cancel(self, run_id, request: gr.Request):
+        if run_id and self.ctx.jobs.cancel(run_id, self.ctx.owner_of(request)):
             return message_html("Cancelling: the run stops after the request in flight; what finished is kept.",
                                 kind="notice")
         return message_html("No run of yours is going here.", kind="notice")
 
-    def share(sid, request: gr.Request):
+    def share(self, sid, request: gr.Request):
         """A read-only link to this session as it is now, its runs included (the Playground's Share)."""
-        link, _ = pg["make_share"](sid, request)
+        link, _ = self.make_share(sid, request)
         if link:
             return link, message_html("")
         return "", message_html("No link made: start a run first (a link freezes the session as it is now), or "
                                 "this session has reached its limit of share links.")
 
-    def poll(run_id, last_key, request: gr.Request):
+    def poll(self, run_id, last_key, request: gr.Request):
         """Once a second: the progress; the rest only when the stored run changed; the list of runs when
         the run has just ended (its status shows there)."""
         if not run_id:
             return (gr.update(),) * 4 + (last_key, gr.update())
-        owner = ctx.owner_of(request)
-        out = render(run_id, owner, last_key)
+        owner = self.ctx.owner_of(request)
+        out = self.render(run_id, owner, last_key)
         ended = out[-1] != last_key and out[-1].split(":")[1] not in ACTIVE if out[-1] else False
-        return out + (run_list(owner) if ended else gr.update(),)
+        return out + (self.run_list(owner) if ended else gr.update(),)
 
-    def open_run(chosen, request: gr.Request):
-        owner = ctx.owner_of(request)
-        chosen = [c for c in (chosen or []) if ctx.store.owns_comparison(c, owner)]
+    def open_run(self, chosen, request: gr.Request):
+        owner = self.ctx.owner_of(request)
+        chosen = [c for c in (chosen or []) if self.ctx.store.owns_comparison(c, owner)]
         if len(chosen) != 1:
             return (gr.update(), message_html("Pick exactly one of your runs to open it.", kind="notice")) + \
                 (gr.update(),) * 5
-        prog, g, t, c, key = render(chosen[0], owner)
+        prog, g, t, c, key = self.render(chosen[0], owner)
         return chosen[0], message_html(""), prog, g, t, c, key
 
-    def compare(chosen, request: gr.Request):
-        owner = ctx.owner_of(request)
-        picked = [ctx.store.get_comparison(c, owner=owner) for c in (chosen or [])]
+    def compare(self, chosen, request: gr.Request):
+        owner = self.ctx.owner_of(request)
+        picked = [self.ctx.store.get_comparison(c, owner=owner) for c in (chosen or [])]
         picked = [r for r in picked if r is not None]
         if len(picked) < 2:
             return message_html("Pick two or more runs to compare.", kind="notice"), gr.update(), gr.update()
         return message_html(""), compare_html(picked), chart_svg(picked, "passn-compare-chart")
 
-    quiet = {"show_progress": "hidden"}
-    source.change(lambda s: (gr.update(visible=s != "own"), gr.update(visible=s == "own")), [source],
-                  [he_box, own_box], **quiet)
-    search.change(lambda q: gr.update(choices=search_problems(q), value=[]), [search], [found], **quiet)
-
-    def add_found(spec, picked):
-        have = [s.strip() for s in (spec or "").split(",") if s.strip()]
-        return ", ".join(have + [p for p in (picked or []) if p not in have])
-
-    add.click(add_found, [problems, found], [problems], **quiet)
-    run_btn.click(start, [source, problems, own_prompt, own_tests, n, temperature, top_p, max_tokens, seed, mode,
-                          session_id], [current, session_id, error, progress, grid, table, chart, shown, runs],
-                  api_name="passn_run", **quiet)
-    cancel_btn.click(cancel, [current], [error], api_name="passn_cancel", **quiet)
-    share_btn.click(share, [session_id], [share_box, error], **quiet)
-    open_btn.click(open_run, [runs], [current, error, progress, grid, table, chart, shown], **quiet)
-    compare_btn.click(compare, [runs], [error, compare_table, compare_chart], **quiet)
-    gr.Timer(1.0).tick(poll, [current, shown], [progress, grid, table, chart, shown, runs], concurrency_limit=None,
-                       **quiet)
-
-    def on_load(request: gr.Request):
+    def on_load(self, request: gr.Request):
         """A reloaded page shows the browser's run that is still going (its progress is in the database)."""
-        owner = ctx.owner_of(request)
-        active = next((r["id"] for r in ctx.store.list_comparisons(limit=20, owner=owner) if r["status"] in ACTIVE),
-                      None) if owner else None
-        prog, g, t, c, key = render(active, owner)
-        return active, prog, g, t, c, key, run_list(owner)
+        owner = self.ctx.owner_of(request)
+        active = next((r["id"] for r in self.ctx.store.list_comparisons(limit=20, owner=owner)
+                       if r["status"] in ACTIVE), None) if owner else None
+        prog, g, t, c, key = self.render(active, owner)
+        return active, prog, g, t, c, key, self.run_list(owner)
 
-    def refresh_runs(request: gr.Request):
-        return run_list(ctx.owner_of(request))
+    def refresh_runs(self, request: gr.Request):
+        return self.run_list(self.ctx.owner_of(request))
 
-    return {"current": current, "runs": runs, "run_list": run_list, "refresh_runs": refresh_runs, "render": render,
-            "on_load": on_load,
-            "load_outputs": [current, progress, grid, table, chart, shown, runs],
-            "open_outputs": [current, progress, grid, table, chart, shown]}
+
+def _problems_ui(ui: dict) -> None:
+    ui["source"] = gr.Radio([("HumanEval", "humaneval"), ("My own problem", "own")], value="humaneval",
+                            label="Problems", elem_id="passn-source", interactive=True)
+    with gr.Group(visible=True) as ui["he_box"]:
+        ui["problems"] = gr.Textbox(value="0-2", label="HumanEval problems: positions, ranges A-B (end exclusive), "
+                                    "ids", placeholder="0-5, 12, HumanEval/31", elem_id="passn-problems",
+                                    interactive=True, max_lines=2)
+        with gr.Row(equal_height=True):
+            ui["search"] = gr.Textbox(label="Search by id or text", placeholder="e.g. palindrome", scale=3,
+                                      elem_id="passn-search", interactive=True, max_lines=1)
+            ui["found"] = gr.Dropdown(choices=[], multiselect=True, label="Matches", scale=5, elem_id="passn-found",
+                                      interactive=True)
+            ui["add"] = gr.Button("Add to the list", elem_id="passn-add", scale=1, min_width=100)
+    with gr.Group(visible=False) as ui["own_box"]:
+        ui["own_prompt"] = gr.Code(EXAMPLE_PROMPT, language="python", label="Prompt: a function stub (or an "
+                                   "instruction that names the function)", elem_id="passn-prompt", lines=5,
+                                   interactive=True)
+        ui["own_tests"] = gr.Code(EXAMPLE_TESTS, language="python", label="Tests: asserts that call the function",
+                                  elem_id="passn-tests", lines=4, interactive=True)
+
+
+def _config_ui(ui: dict, ok: bool) -> None:
+    ui["n"] = gr.Radio([str(k) for k in N_CHOICES], value="4", label="N: samples per problem", elem_id="passn-n",
+                       interactive=True)
+    ui["temperature"] = gr.Slider(0.05, 2.0, value=0.8, step=0.05, label="Temperature of the samples (greedy is 0)",
+                                  elem_id="passn-temperature", interactive=True)
+    ui["top_p"] = gr.Slider(0.05, 1.0, value=0.95, step=0.05, label="Top-p", elem_id="passn-top-p", interactive=True)
+    with gr.Row():
+        ui["max_tokens"] = gr.Number(value=256, precision=0, label="Max tokens", elem_id="passn-max-tokens",
+                                     interactive=True, min_width=80)
+        ui["seed"] = gr.Number(value=0, precision=0, label="Seed (sample i: seed + i)", elem_id="passn-seed",
+                               interactive=True, min_width=80)
+    ui["mode"] = gr.Radio([("Chat: code from the answer", "instruct"), ("Completion of the prompt", "base")],
+                          value="instruct", label="Prompting", elem_id="passn-mode", interactive=True)
+    with gr.Row():
+        ui["run"] = gr.Button("Run", variant="primary", elem_id="passn-run", interactive=ok)
+        ui["cancel"] = gr.Button("Cancel", variant="stop", elem_id="passn-cancel")
+        ui["share"] = gr.Button("Share", elem_id="passn-share")
+
+
+def _results_ui(ui: dict) -> None:
+    ui["error"] = gr.HTML(message_html(""), elem_id="passn-error-box")
+    ui["share_box"] = gr.HTML("", elem_id="passn-share-box")
+    ui["progress"] = gr.HTML(progress_html(None), elem_id="passn-progress-box")
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=5):
+            ui["grid"] = gr.HTML(grid_html(None, ""), elem_id="passn-grid-box")
+            gr.HTML(detail_box(), elem_id="passn-detail-box")
+        with gr.Column(scale=5):
+            ui["table"] = gr.HTML(table_html(None), elem_id="passn-table-box")
+            ui["chart"] = gr.HTML(chart_svg([]), elem_id="passn-chart-box")
+    with gr.Accordion("Your runs: reopen one, or compare two or more", open=True):
+        with gr.Row(equal_height=True):
+            ui["runs"] = gr.Dropdown(choices=[], multiselect=True, label="Runs of this browser", elem_id="passn-runs",
+                                     scale=6, interactive=True)
+            ui["open"] = gr.Button("Open", elem_id="passn-open", scale=1, min_width=80)
+            ui["compare"] = gr.Button("Compare", elem_id="passn-compare", scale=1, min_width=90)
+        ui["compare_table"] = gr.HTML(compare_html([]), elem_id="passn-compare-box")
+        ui["compare_chart"] = gr.HTML(chart_svg([], "passn-compare-chart"), elem_id="passn-compare-chart-box")
+
+
+def build(ctx: AppContext, session_id: gr.State, pg: dict) -> dict:
+    tab, ui = PassN(ctx, pg["make_share"]), {}
+    ok, why = sandbox_status()
+    gr.Markdown("Is sampling N times worth its latency? Each problem gets a greedy answer and **N samples as one "
+                "batched request**; every answer runs against the problem's tests in the sandbox. The run is a job on "
+                "the server: reload or close the page and it goes on; reopen it here or from History.")
+    gr.HTML("" if ok else message_html(f"The sandbox is unavailable, so this tab runs nothing: {why}",
+                                       "passn-sandbox"))
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=6):
+            _problems_ui(ui)
+        with gr.Column(scale=5):
+            _config_ui(ui, ok)
+    _results_ui(ui)
+    current = gr.State(None)  # the run shown
+    shown = gr.State("")  # what the grid/table/chart show now (re-rendered only when it changes)
+    views = [ui["progress"], ui["grid"], ui["table"], ui["chart"], shown]
+    quiet = {"show_progress": "hidden"}
+    ui["source"].change(lambda s: (gr.update(visible=s != "own"), gr.update(visible=s == "own")), [ui["source"]],
+                        [ui["he_box"], ui["own_box"]], **quiet)
+    ui["search"].change(lambda q: gr.update(choices=search_problems(q), value=[]), [ui["search"]], [ui["found"]],
+                        **quiet)
+    ui["add"].click(add_found, [ui["problems"], ui["found"]], [ui["problems"]], **quiet)
+    ui["run"].click(tab.start, [ui[k] for k in ("source", "problems", "own_prompt", "own_tests", "n", "temperature",
+                                                "top_p", "max_tokens", "seed", "mode")] + [session_id],
+                    [current, session_id, ui["error"], *views, ui["runs"]], api_name="passn_run", **quiet)
+    ui["cancel"].click(tab.cancel, [current], [ui["error"]], api_name="passn_cancel", **quiet)
+    ui["share"].click(tab.share, [session_id], [ui["share_box"], ui["error"]], **quiet)
+    ui["open"].click(tab.open_run, [ui["runs"]], [current, ui["error"], *views], **quiet)
+    ui["compare"].click(tab.compare, [ui["runs"]], [ui["error"], ui["compare_table"], ui["compare_chart"]], **quiet)
+    gr.Timer(1.0).tick(tab.poll, [current, shown], [*views, ui["runs"]], concurrency_limit=None, **quiet)
+    return {"current": current, "runs": ui["runs"], "run_list": tab.run_list, "refresh_runs": tab.refresh_runs,
+            "render": tab.render, "on_load": tab.on_load, "load_outputs": [current, *views, ui["runs"]],
+            "open_outputs": [current, *views]}

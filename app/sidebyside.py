@@ -6,7 +6,8 @@ prefill and decode together, and each streamed choice goes to its column by its 
 without the extension (no `laneplay` field) gets one concurrent request per column instead. Every column
 has the Playground's meter (the same data-* attributes), "Use this" (its code into the editor) and "Run
 tests" (its code against the user's assert-style tests, in the sandbox). The aggregate line sets the
-batch's tokens/s against one column alone, at the batch-1 ms/token the app last measured on this engine.
+batch's tokens/s against one column alone, at the batch-1 ms/token this page measured last (its last
+Playground generation: one sample alone on the engine; never another page's).
 A run is stored in the page's session as one generation batch of kind "side-by-side".
 """
 from __future__ import annotations
@@ -14,21 +15,18 @@ from __future__ import annotations
 import ast
 import asyncio
 import html
-import itertools
 import re
-import time
-from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import gradio as gr
 
 from laneplay.app import playground
 from laneplay.app.checks import SandboxMissing, check_code, sandbox_status
-from laneplay.app.client import EngineError, StreamEvent, StreamTimer
 from laneplay.app.context import AppContext, InputError, check_texts, request_body, sampling
+from laneplay.app.meter import MeterData, of_stored, render
 from laneplay.app.quota import Limited
-from laneplay.app.meter import MeterData, render
+from laneplay.app.stream import Column, Generation, Pages, Ticket
 from laneplay.evals.problems import Problem, ProblemError, user_problem
 from laneplay.evals.prompting import extract_code, extract_completion
 from laneplay.storage import NotFound, ValidationError
@@ -64,10 +62,11 @@ def column_count(value) -> int:
     return int(value)
 
 
-def settings(n: int, temps, top_ps, top_ks, seeds, max_tokens, stop_text) -> tuple[dict, list[dict]]:
+def settings(n: int, temps, top_ps, top_ks, seeds, max_tokens, stop_text,
+             info: dict | None = None) -> tuple[dict, list[dict]]:
     """Checked settings: the shared ones (max_tokens, stop) and, per shown column, temperature, top_p,
     top_k and seed (left out when empty: the engine then uses the column's index)."""
-    shared = sampling(0.0, 1.0, 0, max_tokens, None, stop_text)
+    shared = sampling(0.0, 1.0, 0, max_tokens, None, stop_text, info)
     columns = []
     for i in range(n):
         try:
@@ -173,13 +172,13 @@ def aggregate_html(agg: dict | None, single_ms: float | None, state: str = "idle
                 f"{agg['column_tps']:.1f} tokens/s per column · {agg['decoded']} tokens decoded in "
                 f"{agg['decode_s']:.2f} s")
     if agg["single_ms"] is None:
-        alone = "One column alone: run one Playground generation for a batch-1 reference."
+        alone = "One column alone: run one Playground generation in this page for a batch-1 reference."
     elif agg["speedup"] is None:
         alone = (f"One column alone decodes at {agg['single_tps']:.1f} tokens/s ({agg['single_ms']:.1f} ms/token, "
-                 f"the last Playground generation on this engine).")
+                 f"this page's last Playground generation).")
     else:
-        alone = (f"One column alone: {agg['single_tps']:.1f} tokens/s ({agg['single_ms']:.1f} ms/token, the last "
-                 f"Playground generation); these tokens one column after another ≈ {agg['sequential_s']:.2f} s, "
+        alone = (f"One column alone: {agg['single_tps']:.1f} tokens/s ({agg['single_ms']:.1f} ms/token, this page's "
+                 f"last Playground generation); these tokens one column after another ≈ {agg['sequential_s']:.2f} s, "
                  f"{agg['speedup']:.1f}× the batch's time.")
     return (f'<div id="sbs-aggregate" class="lp-aggregate" {a}><span>{head}</span>'
             f'<span class="lp-alone">{alone}</span></div>')
@@ -222,10 +221,7 @@ def share_html(gens: list[dict]) -> str:
     cols = []
     for g in gens:
         i, b = g["sample_index"], g["batch"]
-        meter = render(MeterData(state="done", tokens=g["completion_tokens"] or 0, tps=g["decode_tokens_per_second"],
-                                 ttft_ms=g["ttft_ms"], ms_per_token=g["ms_per_token"], device=g["device"],
-                                 world_size=g["world_size"], note=f"finish: {g['finish_reason'] or '–'}"),
-                       elem_id=f"sbs-b{b}-meter-{i}", compact=True)
+        meter = render(of_stored(g), elem_id=f"sbs-b{b}-meter-{i}", compact=True)
         status = g.get("test_status")
         test = (f"<div class='lp-result' data-status='{html.escape(status)}'><span class='lp-status'>"
                 f"{html.escape(status)}</span> tests"
@@ -248,307 +244,101 @@ def describe(g: dict) -> str:
 
 # ---- one run --------------------------------------------------------------------------------------------
 
-@dataclass
-class Column:
-    settings: dict
-    text: str = ""
-    meter: MeterData = field(default_factory=lambda: MeterData(state="queued"))
-    finish: str | None = None
-    server: dict | None = None  # the engine's per-choice timing, once sent
-    prompt_tokens: int = 0
-
-
-def _decode_s(timer: StreamTimer, timing: dict | None) -> float | None:
-    """Decode wall time of the batch: the server's (last token - first token), else the app's."""
-    if timing and timing.get("total_ms") is not None and timing.get("ttft_ms") is not None:
-        return max(timing["total_ms"] - timing["ttft_ms"], 0.0) / 1000 or None
-    timed = [c for c in timer.choices.values() if c.t_first is not None]
-    if not timed:
-        return None
-    return (max(c.t_last for c in timed) - min(c.t_first for c in timed)) or None
-
-
-def _apply_server(c: Column, t: dict, timing: dict | None) -> None:
-    m = c.meter
-    c.server = t
-    m.ttft_ms = t.get("ttft_ms", m.ttft_ms)
-    m.tps = t.get("decode_tokens_per_second", m.tps)
-    m.ms_per_token = t.get("ms_per_token", m.ms_per_token)
-    m.tokens = t.get("completion_tokens") or m.tokens
-    m.source = "server"
-    m.device = (timing or {}).get("device", m.device)
-    m.dtype = (timing or {}).get("dtype", m.dtype)
-    m.world_size = (timing or {}).get("world_size", m.world_size)
+def reference_ms(last: dict | None) -> float | None:
+    """The batch-1 ms/token this page measured last: its last Playground generation (one sample alone on
+    the engine), if it ran to the end or to Stop. Never another page's: each page keeps its own."""
+    last = last or {}
+    if last.get("batch_1") and last.get("state") in ("done", "stopped") and (last.get("tokens") or 0) > 1:
+        return last.get("ms_per_token") or None
+    return None
 
 
 def _record(i: int, c: Column) -> dict:
-    t = c.server or {}
-    return {"sample_index": i, "kind": "side-by-side", "temperature": c.settings["temperature"],
-            "top_p": c.settings["top_p"], "top_k": c.settings["top_k"], "seed": c.settings.get("seed"),
-            "text": c.text, "finish_reason": c.finish or "stop",
-            "completion_tokens": t.get("completion_tokens") or c.meter.tokens, "prompt_tokens": c.prompt_tokens,
-            "ttft_ms": c.meter.ttft_ms, "decode_tokens_per_second": c.meter.tps, "ms_per_token": c.meter.ms_per_token,
-            "device": c.meter.device or None, "world_size": c.meter.world_size or None}
+    return {**c.stored(i), "kind": "side-by-side", "temperature": c.settings["temperature"],
+            "top_p": c.settings["top_p"], "top_k": c.settings["top_k"], "seed": c.settings.get("seed")}
 
 
 @dataclass
-class Batch:
-    """One run's columns as its streams fill them."""
-    columns: list[Column]
-    timer: StreamTimer = field(default_factory=StreamTimer)
-    timing: dict | None = None  # the batch request's own timing (laneplay engines), once sent
-    failure: str | None = None
-    cancelled: bool = False
+class Frame:
+    """One update of the tab's outputs (in the order `build` wires them)."""
+    g: Generation
+    n: int
+    problem: str = ""
+    agg: object = None
+    sid: object = None
+    run: object = None
+    fresh: bool = False  # a new run: the test results of the last one are cleared
 
-    def route(self, col: int | None, ev: StreamEvent) -> None:
-        """One stream event into its column(s). `col`: the column of a per-column request, None for the
-        batch request, whose deltas go by the choice's `index` and whose other events concern every column."""
-        n = len(self.columns)
-        targets = range(n) if col is None and ev.kind != "delta" else [ev.index if col is None else col]
-        for i in (i for i in targets if 0 <= i < n):
-            c, m = self.columns[i], self.columns[i].meter
-            if ev.kind == "queued":
-                m.state, m.note = "queued", f"position {ev.position} in the engine's queue"
-            elif ev.kind == "running" and m.state == "queued":
-                m.state, m.note = "running", "prefill"
-            elif ev.kind == "delta":
-                t = self.timer.on_delta(i, ev.text, (ev.timing or {}).get("finish_reason"))
-                c.text += ev.text
-                c.finish = t.finish_reason or c.finish
-                m.tokens, m.tps, m.ttft_ms, m.ms_per_token, m.latencies_ms = \
-                    t.tokens, t.decode_tps, t.ttft_ms, t.ms_per_token, t.latencies_ms
-                m.state, m.note = ("done", f"finish: {c.finish}") if c.finish else ("running", "")
-            elif ev.kind == "done":
-                c.prompt_tokens = (ev.usage or {}).get("prompt_tokens") or 0
-                mine = [t for t in (ev.timing or {}).get("per_choice") or []
-                        if t.get("index", 0) == (i if col is None else 0)]
-                if mine:
-                    _apply_server(c, mine[0], ev.timing)
-        if ev.kind == "done" and col is None:
-            self.timing = ev.timing
-        for c in self.columns:
-            c.meter.elapsed_ms = self.timer.elapsed_ms()
-
-    def finish(self) -> str | None:
-        """The columns' final state (done, stopped or error); returns the failure, if any."""
-        for c in self.columns:
-            c.meter.elapsed_ms = self.timer.elapsed_ms()
-            if self.failure is not None:
-                c.meter.state, c.meter.note = "error", ""
-                continue
-            c.meter.source = "server" if c.server is not None else "app"
-            c.meter.state = "done"
-            c.meter.note = "stopped" if self.cancelled and not c.finish else f"finish: {c.finish or 'stop'}"
-            c.finish = "cancelled" if self.cancelled and not c.finish else c.finish
-        return self.failure
+    def row(self) -> tuple:
+        cols, shown = self.g.columns, range(MAX_COLUMNS)
+        texts = [cols[i].text if i < self.n else gr.update() for i in shown]
+        meters = [render(cols[i].meter, f"sbs-meter-{i}", compact=True) if i < self.n else gr.update() for i in shown]
+        results = [result_html(i) if self.fresh else gr.update() for i in shown]
+        return (*texts, *meters, playground.error_html(self.problem, "sbs-error"),
+                self.agg if self.agg is not None else gr.update(), self.sid,
+                self.run if self.run is not None else gr.update(), *results)
 
 
-async def stream_batch(ctx: AppContext, requests: list[tuple[int | None, dict, bool]], b: Batch,
-                       wanted: Callable[[], bool]) -> AsyncIterator[None]:
-    """Streams `requests` ((column or None for the batch, body, chat?) each, all at once) into `b`; yields
-    when the page should show it (every signal; deltas at most ten times a second). Ends when every
-    stream has, at the first failure, or as soon as `wanted()` turns false (Stop, a newer Generate):
-    then the streams are closed, which the engine takes as a cancel."""
-    events: asyncio.Queue = asyncio.Queue()
+class SideBySide:
+    """The tab's handlers: Generate and Stop per page (`stream.Pages`), "Use this", "Run tests"."""
 
-    def put_for(col):
-        async def put(item):
-            await events.put((col, item))
-        return put
+    def __init__(self, ctx: AppContext):
+        self.ctx, self.pages = ctx, Pages()
 
-    readers = [asyncio.create_task(playground.stream_to(ctx, body, chat, put_for(col))) for col, body, chat in requests]
-    open_streams, last_push = len(readers), 0.0
-    try:
-        while open_streams:
-            try:
-                col, ev = await asyncio.wait_for(events.get(), 0.1)
-            except asyncio.TimeoutError:
-                col, ev = None, False
-            if not wanted():
-                b.cancelled = True
-                return
-            if ev is False:
-                continue
-            if ev is None:
-                open_streams -= 1
-                continue
-            if isinstance(ev, EngineError):
-                b.failure = ev.message if col is None else f"Column {col + 1}: {ev.message}"
-                if ev.kind == "unreachable" and not ctx.engine.ready:
-                    b.failure += f" The engine is {ctx.engine.state}: {ctx.engine.detail}."
-                return
-            b.route(col, ev)
-            now = time.monotonic()
-            if ev.kind != "delta" or now - last_push >= playground.UPDATE_EVERY_S:
-                last_push = now
-                yield
-    finally:
-        for r in readers:
-            r.cancel()
-        await asyncio.gather(*readers, return_exceptions=True)
-
-
-# ---- the tab --------------------------------------------------------------------------------------------
-
-def _column_ui(i: int) -> dict:
-    s = preset(DEFAULT_PRESETS[i], i)
-    with gr.Column(visible=i < int(DEFAULT_COLUMNS), min_width=230, elem_classes=["lp-sbs-col"]) as box:
-        ui = {"box": box}
-        with gr.Row(elem_classes=["lp-sbs-knobs"]):
-            ui["preset"] = gr.Dropdown(list(PRESETS), value=DEFAULT_PRESETS[i], label=f"Column {i + 1}",
-                                       elem_id=f"sbs-preset-{i}", interactive=True, min_width=96, scale=2)
-            ui["temp"] = gr.Number(s["temperature"], label="Temp.", elem_id=f"sbs-temp-{i}", step=0.05,
-                                   min_width=50, interactive=True)
-            ui["top_p"] = gr.Number(s["top_p"], label="Top-p", elem_id=f"sbs-top-p-{i}", step=0.05, min_width=50,
-                                    interactive=True)
-            ui["top_k"] = gr.Number(s["top_k"], label="Top-k", elem_id=f"sbs-top-k-{i}", precision=0, min_width=50,
-                                    interactive=True)
-            ui["seed"] = gr.Number(s["seed"], label="Seed", elem_id=f"sbs-seed-{i}", precision=0, min_width=50,
-                                   interactive=True)
-        ui["meter"] = gr.HTML(render(MeterData(state="loading", note="starting"), f"sbs-meter-{i}", compact=True,
-                                     resting=True), elem_id=f"sbs-meter-box-{i}")
-        ui["out"] = gr.Code(value="", language="python", label=f"Column {i + 1}", elem_id=f"sbs-col-{i}",
-                            interactive=False, lines=10, max_lines=30, wrap_lines=True)
-        with gr.Row():
-            ui["use"] = gr.Button("Use this", elem_id=f"sbs-use-{i}", size="sm", min_width=80)
-            ui["test"] = gr.Button("Run tests", elem_id=f"sbs-test-{i}", size="sm", min_width=80)
-        ui["result"] = gr.HTML(result_html(i), elem_id=f"sbs-result-box-{i}")
-    return ui
-
-
-def build(ctx: AppContext, session_id: gr.State, pg: dict, tabs: gr.Tabs) -> dict:
-    """The tab's components and events. `pg`: the Playground's components (its editor, instruction and mode
-    are this tab's prompt; "Use this" writes the editor). Returns what web.py wires to the tab's select."""
-    with gr.Row(equal_height=False):
-        with gr.Column(scale=3):
-            preview = gr.HTML(prompt_preview(playground.EXAMPLE_CODE, playground.EXAMPLE_INSTRUCTION, "chat"),
-                              elem_id="sbs-prompt-box")
-        with gr.Column(scale=2, min_width=320):
-            with gr.Row():
-                ncols = gr.Radio(COLUMN_CHOICES, value=DEFAULT_COLUMNS, label="Columns", elem_id="sbs-columns",
-                                 interactive=True, min_width=190)
-                max_tokens = gr.Number(DEFAULT_MAX_TOKENS, label="Max tokens", precision=0, elem_id="sbs-max-tokens",
-                                       min_width=90, interactive=True)
-                stops = gr.Textbox("", label="Stop strings", lines=1, max_lines=4,
-                                   elem_id="sbs-stop-strings", min_width=120, interactive=True)
-            with gr.Row():
-                generate = gr.Button("Generate", variant="primary", elem_id="sbs-generate", min_width=90)
-                stop = gr.Button("Stop", variant="stop", elem_id="sbs-stop", min_width=70)
-    error = gr.HTML(playground.error_html("", "sbs-error"), elem_id="sbs-error-box")
-    agg = gr.HTML(aggregate_html(None, ctx.single_ms_per_token), elem_id="sbs-aggregate-box")
-    with gr.Row(equal_height=False, elem_id="sbs-grid"):
-        cols = [_column_ui(i) for i in range(MAX_COLUMNS)]
-    with gr.Accordion("Tests (for \"Run tests\")", open=True):
-        with gr.Row(equal_height=False):
-            tests = gr.Code(value=EXAMPLE_TESTS, language="python", label="Assert-style tests", elem_id="sbs-tests",
-                            interactive=True, lines=4, max_lines=14, scale=3)
-            with gr.Column(scale=1, min_width=200):
-                entry = gr.Textbox("", label="Entry point (optional)", placeholder="inferred from the code or tests",
-                                   elem_id="sbs-entry-point", interactive=True)
-                sandbox = gr.HTML('<div id="sbs-sandbox" class="lp-muted"></div>', elem_id="sbs-sandbox-box")
-    run_state = gr.State({})  # the last run of this page: its prompt, mode, session and batch
-    current: dict = {}  # page (Gradio session) -> id of the one run that may go on there
-    run_ids = itertools.count(1)
-
-    def shown(n):
-        return [gr.update(visible=i < int(n)) for i in range(MAX_COLUMNS)]
-
-    ncols.change(shown, [ncols], [c["box"] for c in cols], show_progress="hidden")
-    for i, c in enumerate(cols):
-        c["preset"].input(lambda name, i=i: tuple(preset(name, i).values()), [c["preset"]],
-                          [c["temp"], c["top_p"], c["top_k"], c["seed"]], show_progress="hidden")
-
-    def frame(columns, n, problem="", agg_html=None, sid=None, run=None, fresh=False):
-        """One page update: every column's text and meter, the error line, the aggregate, the state."""
-        texts = [columns[i].text if i < n else gr.update() for i in range(MAX_COLUMNS)]
-        meters = [render(columns[i].meter, f"sbs-meter-{i}", compact=True) if i < n else gr.update()
-                  for i in range(MAX_COLUMNS)]
-        results = [result_html(i) if fresh else gr.update() for i in range(MAX_COLUMNS)]
-        return (*texts, *meters, playground.error_html(problem, "sbs-error"),
-                agg_html if agg_html is not None else gr.update(), sid, run if run is not None else gr.update(),
-                *results)
-
-    async def run(request: gr.Request, code_text, instruction_text, mode_value, n_value, mt, stop_text, *rest):
-        temps, top_ps, top_ks, seeds, sid = rest[0:4], rest[4:8], rest[8:12], rest[12:16], rest[16]
+    async def generate(self, request: gr.Request, code_text, instruction_text, mode_value, n_value, mt, stop_text,
+                       *rest):
+        temps, top_ps, top_ks, seeds, sid, last = rest[0:4], rest[4:8], rest[8:12], rest[12:16], rest[16], rest[17]
         try:
             n = column_count(n_value)
             code_text, instruction_text = check_texts(code_text, instruction_text, mode_value)
-            shared, col_settings = settings(n, temps, top_ps, top_ks, seeds, mt, stop_text)
-            owner = playground.admit_generation(ctx, request)
+            shared, col_settings = settings(n, temps, top_ps, top_ks, seeds, mt, stop_text, self.ctx.engine.info)
+            owner = playground.admit_generation(self.ctx, request)
         except (InputError, Limited) as e:  # a message; nothing sent, nothing stored
             n = column_count(n_value) if str(n_value) in COLUMN_CHOICES else MAX_COLUMNS
-            bad = [Column({}, meter=MeterData(state="error", note="invalid input")) for _ in range(n)]
-            yield frame(bad, n, str(e), sid=sid)
+            bad = Generation([Column(meter=MeterData(state="error", note="invalid input")) for _ in range(n)])
+            yield Frame(bad, n, str(e), sid=sid).row()
             return
-        page = playground.page_key(ctx, request)
-        me = next(run_ids)
-        current[page] = me  # an earlier run of this page sees it is superseded and ends
-        columns = [Column(s) for s in col_settings]
+        ticket = self.pages.begin(playground.page_key(self.ctx, request))
         runs = {"mode": mode_value, "code": code_text, "instruction": instruction_text, "n": n, "sid": sid,
                 "batch": None}
-        waited = time.monotonic()
-        while not ctx.engine.ready:  # a loading or restarting engine: wait for it, saying so
-            if current.get(page) != me or time.monotonic() - waited > playground.ENGINE_WAIT_S:
-                stopped = current.get(page) != me
-                for c in columns:
-                    c.meter = MeterData(state="done", note="stopped") if stopped else MeterData(state="error")
-                late = "" if stopped else f"The engine is not ready ({ctx.engine.state}: {ctx.engine.detail})."
-                yield frame(columns, n, late, sid=sid, run=runs)
-                return
-            for c in columns:
-                c.meter = MeterData(state="loading", note=f"{ctx.engine.state}: {ctx.engine.detail}")
-            yield frame(columns, n, sid=sid, run=runs, fresh=True)
-            await asyncio.sleep(0.5)
-        info = ctx.engine.info or {}
-        batched = info.get("laneplay", True) is not False
-        source = "server" if batched else "app"
-        for c in columns:
-            c.meter = MeterData(state="queued", device=info.get("device"), dtype=info.get("dtype"), world_size=info.get("world_size"),
-                                source=source)
-        yield frame(columns, n, agg_html=aggregate_html(None, ctx.single_ms_per_token, "running"), sid=sid,
-                    run=runs, fresh=True)
-        requests = engine_requests(batched, mode_value, code_text, instruction_text, shared, col_settings)
-        b = Batch(columns)
         try:
-            async with aclosing(stream_batch(ctx, requests, b, lambda: current.get(page) == me)) as updates:
-                async for _ in updates:
-                    live = aggregate([c.meter.tokens for c in columns], _decode_s(b.timer, None),
-                                     ctx.single_ms_per_token)
-                    yield frame(columns, n, agg_html=aggregate_html(live, ctx.single_ms_per_token, "running"), sid=sid)
+            async with aclosing(self._generate(ticket, runs, owner, shared, col_settings, reference_ms(last))) as fs:
+                async for f in fs:
+                    yield f.row()
         finally:
-            if current.get(page) == me:
-                del current[page]
-        failure = b.finish()
-        final = aggregate([c.meter.tokens for c in columns], _decode_s(b.timer, b.timing), ctx.single_ms_per_token)
-        agg_done = aggregate_html(final, ctx.single_ms_per_token, "error" if failure else "done")
-        if failure is not None:
-            yield frame(columns, n, failure, agg_done, sid, runs)
-            return
-        superseded = b.cancelled and page in current
-        problem = ""
-        if any(c.text for c in columns):
+            ticket.end()
+
+    async def _generate(self, ticket: Ticket, runs: dict, owner, shared: dict, col_settings: list[dict], single_ms):
+        g, n, sid = Generation([Column(s) for s in col_settings]), runs["n"], runs["sid"]
+
+        def plan(info):
+            return engine_requests(info.get("laneplay", True) is not False, runs["mode"], runs["code"],
+                                   runs["instruction"], shared, col_settings)
+
+        fresh = True
+        async for _ in g.run(self.ctx, plan, ticket.wanted):
+            live = aggregate([c.meter.tokens for c in g.columns], g.decode_s(), single_ms)
+            yield Frame(g, n, agg=aggregate_html(live, single_ms, "running"), sid=sid, run=runs, fresh=fresh)
+            fresh = False
+        failure = g.finish()
+        final = aggregate([c.meter.tokens for c in g.columns], g.decode_s(), single_ms)
+        agg_done = aggregate_html(final, single_ms, "error" if failure else "stopped" if g.cancelled else "done")
+        problem = failure or ""
+        if failure is None and any(c.text for c in g.columns):
             try:
-                sid, runs["batch"] = playground.save_batch(ctx, sid, owner, code_text, instruction_text, info,
-                                                           [_record(i, c) for i, c in enumerate(columns)], columns=n)
+                sid, runs["batch"] = playground.save_batch(self.ctx, sid, owner, runs["code"], runs["instruction"],
+                                                           self.ctx.engine.info or {},
+                                                           [_record(i, c) for i, c in enumerate(g.columns)], columns=n)
                 runs["sid"] = sid
             except ValidationError as e:
                 problem = f"The run was not stored: {e}"
-        if not superseded:  # a newer Generate of this page owns the page now
-            yield frame(columns, n, problem, agg_done, sid, runs)
+        if not ticket.superseded():  # a newer Generate of this page owns the page now
+            yield Frame(g, n, problem, agg_done, sid, runs)
 
-    generate.click(run, [pg["code"], pg["instruction"], pg["mode"], ncols, max_tokens, stops,
-                         *[c["temp"] for c in cols], *[c["top_p"] for c in cols], *[c["top_k"] for c in cols],
-                         *[c["seed"] for c in cols], session_id],
-                   [*[c["out"] for c in cols], *[c["meter"] for c in cols], error, agg, session_id, run_state,
-                    *[c["result"] for c in cols]],
-                   concurrency_limit=None, api_name="side_by_side", show_progress="hidden", trigger_mode="multiple")
+    def stop(self, request: gr.Request):
+        self.pages.stop(playground.page_key(self.ctx, request))
 
-    def stop_now(request: gr.Request):
-        current.pop(playground.page_key(ctx, request), None)
-
-    stop.click(stop_now, None, None, api_name="side_by_side_stop", show_progress="hidden", queue=False)
-
-    def use_for(i: int):
+    def use(self, i: int):
         def use(text, runs, tests_text, entry_text):
             """The column's code into the Playground editor, and the Playground in front."""
             runs = runs or {}
@@ -560,7 +350,9 @@ def build(ctx: AppContext, session_id: gr.State, pg: dict, tabs: gr.Tabs) -> dic
             return code, gr.Tabs(selected="playground"), playground.error_html("", "sbs-error")
         return use
 
-    def test_for(i: int):
+    def test(self, i: int):
+        ctx = self.ctx
+
         async def run_tests(request: gr.Request, text, runs, tests_text, entry_text):
             """The column's code against the tests, in the sandbox; the outcome is stored with the generation."""
             runs = runs or {}
@@ -602,16 +394,99 @@ def build(ctx: AppContext, session_id: gr.State, pg: dict, tabs: gr.Tabs) -> dic
             yield result_html(i, out.status, f"{problem.entry_point}(){note}", out.error)
         return run_tests
 
-    for i, c in enumerate(cols):
-        c["use"].click(use_for(i), [c["out"], run_state, tests, entry], [pg["code"], tabs, error],
-                       show_progress="hidden")
-        c["test"].click(test_for(i), [c["out"], run_state, tests, entry], [c["result"]], concurrency_limit=None,
-                        show_progress="hidden")
-
-    async def refresh(code_text, instruction_text, mode_value):
+    async def refresh(self, code_text, instruction_text, mode_value):
         """On selecting the tab: the prompt as it is now, and whether the sandbox works here."""
         ok, why = await asyncio.to_thread(sandbox_status)
         return prompt_preview(code_text, instruction_text, mode_value), sandbox_html(ok, why)
 
-    return {"refresh": refresh, "refresh_inputs": [pg["code"], pg["instruction"], pg["mode"]],
-            "refresh_outputs": [preview, sandbox], "columns": ncols, "run": run_state}
+
+# ---- the tab --------------------------------------------------------------------------------------------
+
+def _column_ui(i: int) -> dict:
+    s = preset(DEFAULT_PRESETS[i], i)
+    with gr.Column(visible=i < int(DEFAULT_COLUMNS), min_width=230, elem_classes=["lp-sbs-col"]) as box:
+        ui = {"box": box}
+        with gr.Row(elem_classes=["lp-sbs-knobs"]):
+            ui["preset"] = gr.Dropdown(list(PRESETS), value=DEFAULT_PRESETS[i], label=f"Column {i + 1}",
+                                       elem_id=f"sbs-preset-{i}", interactive=True, min_width=96, scale=2)
+            ui["temp"] = gr.Number(s["temperature"], label="Temp.", elem_id=f"sbs-temp-{i}", step=0.05,
+                                   min_width=50, interactive=True)
+            ui["top_p"] = gr.Number(s["top_p"], label="Top-p", elem_id=f"sbs-top-p-{i}", step=0.05, min_width=50,
+                                    interactive=True)
+            ui["top_k"] = gr.Number(s["top_k"], label="Top-k", elem_id=f"sbs-top-k-{i}", precision=0, min_width=50,
+                                    interactive=True)
+            ui["seed"] = gr.Number(s["seed"], label="Seed", elem_id=f"sbs-seed-{i}", precision=0, min_width=50,
+                                   interactive=True)
+        ui["meter"] = gr.HTML(render(MeterData(state="loading", note="starting"), f"sbs-meter-{i}", compact=True,
+                                     resting=True), elem_id=f"sbs-meter-box-{i}")
+        ui["out"] = gr.Code(value="", language="python", label=f"Column {i + 1}", elem_id=f"sbs-col-{i}",
+                            interactive=False, lines=10, max_lines=30, wrap_lines=True)
+        with gr.Row():
+            ui["use"] = gr.Button("Use this", elem_id=f"sbs-use-{i}", size="sm", min_width=80)
+            ui["test"] = gr.Button("Run tests", elem_id=f"sbs-test-{i}", size="sm", min_width=80)
+        ui["result"] = gr.HTML(result_html(i), elem_id=f"sbs-result-box-{i}")
+    return ui
+
+
+def _controls_ui() -> dict:
+    ui = {}
+    with gr.Row():
+        ui["ncols"] = gr.Radio(COLUMN_CHOICES, value=DEFAULT_COLUMNS, label="Columns", elem_id="sbs-columns",
+                               interactive=True, min_width=190)
+        ui["max_tokens"] = gr.Number(DEFAULT_MAX_TOKENS, label="Max tokens", precision=0, elem_id="sbs-max-tokens",
+                                     min_width=90, interactive=True)
+        ui["stops"] = gr.Textbox("", label="Stop strings", lines=1, max_lines=4, elem_id="sbs-stop-strings",
+                                 min_width=120, interactive=True)
+    with gr.Row():
+        ui["generate"] = gr.Button("Generate", variant="primary", elem_id="sbs-generate", min_width=90)
+        ui["stop"] = gr.Button("Stop", variant="stop", elem_id="sbs-stop", min_width=70)
+    return ui
+
+
+def _tests_ui() -> tuple:
+    with gr.Accordion("Tests (for \"Run tests\")", open=True):
+        with gr.Row(equal_height=False):
+            tests = gr.Code(value=EXAMPLE_TESTS, language="python", label="Assert-style tests", elem_id="sbs-tests",
+                            interactive=True, lines=4, max_lines=14, scale=3)
+            with gr.Column(scale=1, min_width=200):
+                entry = gr.Textbox("", label="Entry point (optional)", placeholder="inferred from the code or tests",
+                                   elem_id="sbs-entry-point", interactive=True)
+                sandbox = gr.HTML('<div id="sbs-sandbox" class="lp-muted"></div>', elem_id="sbs-sandbox-box")
+    return tests, entry, sandbox
+
+
+def build(ctx: AppContext, session_id: gr.State, pg: dict, tabs: gr.Tabs) -> dict:
+    """The tab's components and events. `pg`: the Playground's components (its editor, instruction and mode
+    are this tab's prompt; "Use this" writes the editor; its last run is this page's batch-1 reference).
+    Returns what web.py wires to the tab's select."""
+    tab = SideBySide(ctx)
+    with gr.Row(equal_height=False):
+        with gr.Column(scale=3):
+            preview = gr.HTML(prompt_preview(playground.EXAMPLE_CODE, playground.EXAMPLE_INSTRUCTION, "chat"),
+                              elem_id="sbs-prompt-box")
+        with gr.Column(scale=2, min_width=320):
+            ui = _controls_ui()
+    error = gr.HTML(playground.error_html("", "sbs-error"), elem_id="sbs-error-box")
+    agg = gr.HTML(aggregate_html(None, None), elem_id="sbs-aggregate-box")
+    with gr.Row(equal_height=False, elem_id="sbs-grid"):
+        cols = [_column_ui(i) for i in range(MAX_COLUMNS)]
+    tests, entry, sandbox = _tests_ui()
+    run_state = gr.State({})  # the last run of this page: its prompt, mode, session and batch
+    quiet = {"show_progress": "hidden"}
+    ui["ncols"].change(lambda n: [gr.update(visible=i < int(n)) for i in range(MAX_COLUMNS)], [ui["ncols"]],
+                       [c["box"] for c in cols], **quiet)
+    per_column = [c[k] for k in ("temp", "top_p", "top_k", "seed") for c in cols]  # 4 temperatures, 4 top-p, ...
+    ui["generate"].click(tab.generate, [pg["code"], pg["instruction"], pg["mode"], ui["ncols"], ui["max_tokens"],
+                                        ui["stops"], *per_column, session_id, pg["last"]],
+                         [*[c["out"] for c in cols], *[c["meter"] for c in cols], error, agg, session_id, run_state,
+                          *[c["result"] for c in cols]],
+                         concurrency_limit=None, api_name="side_by_side", trigger_mode="multiple", **quiet)
+    ui["stop"].click(tab.stop, None, None, api_name="side_by_side_stop", queue=False, **quiet)
+    for i, c in enumerate(cols):
+        c["preset"].input(lambda name, i=i: tuple(preset(name, i).values()), [c["preset"]],
+                          [c["temp"], c["top_p"], c["top_k"], c["seed"]], **quiet)
+        c["use"].click(tab.use(i), [c["out"], run_state, tests, entry], [pg["code"], tabs, error], **quiet)
+        c["test"].click(tab.test(i), [c["out"], run_state, tests, entry], [c["result"]], concurrency_limit=None,
+                        **quiet)
+    return {"refresh": tab.refresh, "refresh_inputs": [pg["code"], pg["instruction"], pg["mode"]],
+            "refresh_outputs": [preview, sandbox], "columns": ui["ncols"], "run": run_state}

@@ -27,6 +27,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def world_sizes(model_config: dict | None, most: int = 8) -> list[int] | None:
+    """The DTP world sizes above 1 (up to `most`) that split the served model, from its /health
+    `model_config`: a Llama model's attention heads, key-value heads and MLP width must divide by the size
+    (one lane per rank), a Laneformer's lanes. None: the engine did not say its shapes."""
+    c = model_config if isinstance(model_config, dict) else {}
+    parts = ([c.get("num_heads"), c.get("num_kv_heads"), c.get("intermediate_size")] if c.get("arch") == "llama"
+             else [c.get("num_lanes")])
+    if not c or not all(isinstance(p, int) and p > 0 for p in parts):
+        return None
+    return [w for w in range(2, most + 1) if all(p % w == 0 for p in parts)]
+
+
+def health_info(h: dict) -> dict:
+    """What the UI keeps of our engine's /health: where and what runs, its context, the model's shapes."""
+    return {"model": h.get("model"), "device": h.get("device"), "dtype": h.get("dtype"),
+            "world_size": h.get("world_size", 1), "context_length": h.get("context_length"),
+            "model_config": h.get("model_config") if isinstance(h.get("model_config"), dict) else None,
+            "laneplay": True}
+
+
 def _die_with_parent() -> None:
     """Linux: the engine process is killed when the app dies, however it dies."""
     try:
@@ -83,10 +103,14 @@ class LocalEngine(Engine):
     """Runs `laneplay engine` on a free loopback port and keeps it running: when the process dies the
     state says so, and it is started again after a backoff (1 s, 2 s, 4 s ... at most 30 s)."""
 
-    def __init__(self, model: str, device: str = "cpu", dtype: str = "auto", world_size: int = 1,
+    def __init__(self, model: str, device: str = "cpu", dtype: str = "auto", world_size: int | str = 1,
                  compile: bool = True, extra_args: list[str] | None = None):
+        """`world_size` "auto": the engine starts at 1, and once it says its model's shapes it is started
+        again at the smallest world size above 1 that splits the model (it stays at 1 when none does)."""
         super().__init__()
-        self.model, self.device, self.dtype, self.world_size = model, device, dtype, world_size
+        self.model, self.device, self.dtype = model, device, dtype
+        self.auto = world_size == "auto"
+        self.world_size = 1 if self.auto else int(world_size)
         self.compile, self.extra_args = compile, list(extra_args or [])
         self.proc: subprocess.Popen | None = None
         self.log: deque[str] = deque(maxlen=200)  # the engine's last lines of output, for error messages
@@ -134,6 +158,8 @@ class LocalEngine(Engine):
             while not self._stopping and self.proc.poll() is None:
                 if not self.ready:
                     info = self._probe()
+                    if info is not None and self._resize(info):
+                        break  # started again below at the size that splits the model
                     if info is not None:
                         self.info = info
                         self._set(READY, f"{info.get('model', self.model)} on {info.get('device', self.device)}")
@@ -143,6 +169,9 @@ class LocalEngine(Engine):
                 time.sleep(0.25 if not self.ready else 0.5)
             if self._stopping:
                 break
+            if self.proc.poll() is None:  # a resize: not a crash
+                self._end_process()
+                continue
             code = self.proc.returncode
             tail = next((ln for ln in reversed(self.log) if ln and not ln.startswith("laneplay-engine-stage")), "")
             self.restarts += 1
@@ -153,13 +182,26 @@ class LocalEngine(Engine):
                 time.sleep(0.1)
             backoff = min(backoff * 2, 30.0)
 
+    def _resize(self, info: dict) -> bool:
+        """With world size auto, the first time the engine answers: pick the size (see __init__); True when
+        the engine must be started again at it."""
+        if not self.auto:
+            return False
+        self.auto = False
+        sizes = world_sizes(info.get("model_config"))
+        if not sizes:
+            self.log.append(f"world size auto: no size from 2 to 8 splits {info.get('model')}; staying at 1")
+            return False
+        self.world_size = sizes[0]
+        self._set("loading", f"world size auto: {sizes[0]} splits {info.get('model')}; starting {sizes[0]} DTP ranks")
+        return True
+
     def _probe(self) -> dict | None:
         try:
             r = httpx.get(self.url + "/health", timeout=1.0)
             if r.status_code == 200:
                 h = r.json()
-                return {"model": h.get("model"), "device": h.get("device"), "world_size": h.get("world_size", 1),
-                        "context_length": h.get("context_length"), "laneplay": True}
+                return health_info(h)
         except (httpx.HTTPError, ValueError):
             pass
         return None
@@ -170,8 +212,7 @@ class LocalEngine(Engine):
             out["log_tail"] = [ln for ln in list(self.log)[-5:]]
         return out
 
-    def stop(self) -> None:
-        self._stopping = True
+    def _end_process(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -179,6 +220,10 @@ class LocalEngine(Engine):
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._end_process()
         self._set("stopped", "the engine was stopped")
 
 
@@ -204,8 +249,7 @@ class RemoteEngine(Engine):
                 r = httpx.get(self.url + "/health", headers=headers, timeout=3.0)
                 if r.status_code == 200 and isinstance(r.json(), dict) and "queue_depth" in r.json():
                     h = r.json()
-                    info = {"model": h.get("model"), "device": h.get("device"), "world_size": h.get("world_size", 1),
-                            "context_length": h.get("context_length"), "laneplay": True}
+                    info = health_info(h)
                 else:  # another OpenAI-compatible server: its model list is the health check
                     m = httpx.get(self.url + "/v1/models", headers=headers, timeout=3.0)
                     if m.status_code == 200:

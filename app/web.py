@@ -31,7 +31,7 @@ from fastapi.staticfiles import StaticFiles  # noqa: E402
 from laneplay.app import dtpview, history, passn, passn_view, playground, sidebyside  # noqa: E402
 from laneplay.app import owners, pages  # noqa: E402
 from laneplay.app.context import AppContext  # noqa: E402
-from laneplay.app.meter import MeterData, render  # noqa: E402
+from laneplay.app.meter import MeterData, of_stored, render  # noqa: E402
 from laneplay.app.quota import Limited  # noqa: E402
 from laneplay.storage import LimitReached, share  # noqa: E402
 
@@ -373,10 +373,7 @@ def share_page(token: str, snap: dict) -> str:
             batches.add(g["batch"])
             outputs.append(sidebyside.share_html([x for x in gens if x["batch"] == g["batch"]]))
     for i, g in enumerate(reversed(plain)):
-        meter = render(MeterData(state="done", tokens=g["completion_tokens"] or 0, tps=g["decode_tokens_per_second"],
-                                 ttft_ms=g["ttft_ms"], ms_per_token=g["ms_per_token"], device=g["device"],
-                                 world_size=g["world_size"], note=f"finish: {g['finish_reason'] or '–'}"),
-                       elem_id="meter" if i == 0 else f"meter-{i}", compact=True)
+        meter = render(of_stored(g), elem_id="meter" if i == 0 else f"meter-{i}", compact=True)
         outputs.append(f"<section class='lp-gen'><h3>Output {len(plain) - i} · seed {esc(str(g['seed']))} · "
                        f"temperature {esc(str(g['temperature']))}</h3>{meter}"
                        f"<pre class='lp-code' {'id=output' if i == 0 else ''}>{esc(g['text'])}</pre></section>")

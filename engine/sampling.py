@@ -14,10 +14,8 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-MAX_N = 16
-MAX_STOP_STRINGS = 8
-MAX_STOP_LENGTH = 256
-MAX_SEED = 2**63 - 1
+from laneplay.limits import MAX_N, MAX_SEED, MAX_STOP_LENGTH, MAX_STOP_STRINGS
+
 # Temperatures below this are greedy: dividing by them would overflow float32 (1e-38 is inf), and the
 # distribution they describe is already the argmax to within float precision.
 GREEDY_TEMPERATURE = 1e-5

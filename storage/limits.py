@@ -3,6 +3,7 @@
 The app and `laneplay eval` validate first (and answer 4xx / a UI error); storage checks again so
 that nothing oversized or malformed can reach the database by any path.
 """
+from laneplay import limits as _engine
 
 # Sessions
 MAX_TITLE_CHARS = 200
@@ -15,14 +16,15 @@ MAX_INSTRUCTION_CHARS = 16 * 1024
 MAX_SESSIONS_PER_OWNER = 500         # one browser's History; past it a new session is refused
 MAX_SESSIONS_LISTED = 500            # list_sessions / list_comparisons page size
 
-# Sampling parameters (a session's `params`)
-MAX_SAMPLES = 16                     # n per generation batch, N of pass@N
-MAX_TOKENS = 131_072                 # max_tokens and any stored token count
-MAX_TEMPERATURE = 2.0
-MAX_TOP_K = 1_000
-MAX_SEED = 2**63 - 1                 # fits a signed 64-bit SQL integer
-MAX_STOP_SEQUENCES = 4
-MAX_STOP_CHARS = 64
+# Sampling parameters (a session's `params`): the engine's bounds (laneplay/limits.py), so whatever the
+# engine accepted can be stored
+MAX_SAMPLES = _engine.MAX_N          # n per generation batch, N of pass@N
+MAX_TOKENS = _engine.MAX_TOKENS      # max_tokens and any stored token count
+MAX_TEMPERATURE = _engine.MAX_TEMPERATURE
+MAX_TOP_K = _engine.MAX_TOP_K
+MAX_SEED = _engine.MAX_SEED          # fits a signed 64-bit SQL integer
+MAX_STOP_SEQUENCES = _engine.MAX_STOP_STRINGS
+MAX_STOP_CHARS = _engine.MAX_STOP_LENGTH
 
 # Generations
 MAX_OUTPUT_CHARS = 256 * 1024        # one sample's generated text

@@ -10,15 +10,29 @@ def ctx(ready=True, **info):
                                                   detail="" if ready else "loading the model"))
 
 
-def test_the_view_says_what_an_engine_lacks():
-    ok, msg = dtpview.availability(ctx(model="m", device="cpu", world_size=1, laneplay=True))
-    assert ok is False and "world size 1" in msg and "laneplay serve --world-size 2" in msg
+SMOLLM2 = {"arch": "llama", "num_heads": 9, "num_kv_heads": 3, "intermediate_size": 1536}  # the embedded default
+
+
+def test_the_view_says_what_an_engine_lacks_and_which_world_sizes_split_the_model():
+    ok, msg = dtpview.availability(ctx(model="smollm2", device="cpu", world_size=1, laneplay=True,
+                                       model_config=SMOLLM2))
+    assert ok is False and "world size 1" in msg and "laneplay serve --world-size 3" in msg  # 9 heads: not 2
+    assert "The sizes that divide smollm2: 3." in msg and "--world-size 2" not in msg
+    ok, msg = dtpview.availability(ctx(model="lf", device="cpu", world_size=1, laneplay=True,
+                                       model_config={"arch": "laneformer", "num_lanes": 8}))
+    assert "divide lf: 2, 4, 8." in msg and "--world-size 2`" in msg
+    ok, msg = dtpview.availability(ctx(model="odd", device="cpu", world_size=1, laneplay=True,
+                                       model_config={"arch": "llama", "num_heads": 11, "num_kv_heads": 11,
+                                                     "intermediate_size": 121}))
+    assert "No world size from 2 to 8 divides odd" in msg
+    ok, msg = dtpview.availability(ctx(model="m", device="cpu", world_size=1, laneplay=True))  # shapes unknown
+    assert "laneplay serve --world-size auto" in msg
     ok, msg = dtpview.availability(ctx(model="m", device="remote", world_size=None, laneplay=False))
     assert ok is False and "needs a Laneplay engine" in msg
     assert dtpview.availability(ctx(ready=False))[0] is None
     assert dtpview.availability(ctx(model="m", device="cpu", world_size=2, laneplay=True))[0] is True
-    html = dtpview.status_html(ctx(model="m", device="cpu", world_size=1, laneplay=True))
-    assert 'data-state="unavailable"' in html and "<code>laneplay serve --world-size 2</code>" in html
+    html = dtpview.status_html(ctx(model="m", device="cpu", world_size=1, laneplay=True, model_config=SMOLLM2))
+    assert 'data-state="unavailable"' in html and "<code>laneplay serve --world-size 3</code>" in html
 
 
 def test_ab_is_the_same_greedy_request_with_each_collectives():

@@ -12,9 +12,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from laneplay.app.client import EngineClient, StreamEvent
 from laneplay.app.context import InputError
-from laneplay.app.sidebyside import (PRESETS, Batch, Column, aggregate, aggregate_html, batch_request, column_code,
-                                     column_requests, engine_requests, entry_point_of, preset, problem_for, settings,
-                                     share_html, stream_batch)
+from laneplay.app.sidebyside import (PRESETS, aggregate, aggregate_html, batch_request, column_code, column_requests,
+                                     engine_requests, entry_point_of, preset, problem_for, reference_ms, settings,
+                                     share_html)
+from laneplay.app.stream import Column, Generation
 from laneplay.app.web import share_page
 from laneplay.evals.problems import ProblemError
 
@@ -37,7 +38,7 @@ def test_settings_are_checked_per_column_and_shared_ones_once():
                     {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "seed": 1},
                     {"temperature": 1.2, "top_p": 0.9, "top_k": 0}]  # an empty seed is left to the engine
     with pytest.raises(InputError, match="Column 2: Temperature"):
-        settings(2, [0, 7], [1, 1], [0, 0], [0, 1], 48, "")
+        settings(2, [0, 101], [1, 1], [0, 0], [0, 1], 48, "")  # the engine takes up to 100
     with pytest.raises(InputError, match="^Max tokens"):
         settings(2, [0, 0], [1, 1], [0, 0], [0, 1], 0, "")
 
@@ -98,9 +99,21 @@ def test_aggregate_arithmetic():
     assert none["batch_tps"] is None and none["speedup"] is None and none["sequential_s"] is None
     html = aggregate_html(aggregate([10, 20, 31], 2.0, None), None, "done")
     assert 'data-batch-tps="29.00"' in html and 'data-columns="3"' in html and 'data-single-ms-per-token=""' in html
-    assert "run one Playground generation for a batch-1 reference" in html
+    assert "run one Playground generation in this page for a batch-1 reference" in html
     html = aggregate_html(agg, 20.0, "done")
     assert 'data-speedup="0.58"' in html and "20.0 ms/token" in html
+
+
+def test_the_batch_1_reference_is_this_pages_own_last_playground_run():
+    assert reference_ms(None) is None and reference_ms({}) is None  # nothing measured in this page yet
+    run = {"batch_1": True, "state": "done", "tokens": 40, "ms_per_token": 12.5}
+    assert reference_ms(run) == 12.5
+    assert reference_ms({**run, "state": "stopped", "ms_per_token": 11.0}) == 11.0  # up to the stop
+    assert reference_ms({**run, "state": "error"}) is None
+    assert reference_ms({**run, "tokens": 1, "ms_per_token": None}) is None  # one token: no step time
+    assert reference_ms({**run, "batch_1": False}) is None  # a stored record History put back: maybe a batch
+    html = aggregate_html(aggregate([10, 10], 1.0, 12.5), 12.5, "done")
+    assert "this page's last Playground generation" in html and 'data-single-ms-per-token="12.50"' in html
 
 
 def gen(batch, i, kind="side-by-side", **kw):
@@ -141,6 +154,15 @@ def fake_engine() -> FastAPI:
         async def events():
             if "samples" in body:
                 yield ": laneplay running\n\n"
+            if body.get("max_tokens") == 7:  # sample 0 ends at once with its timing; sample 1 runs until stopped
+                first = {"index": 0, "delta": {"content": "a"}, "finish_reason": "stop"}
+                timing = {"index": 0, "ttft_ms": 4.0, "decode_tokens_per_second": None, "ms_per_token": None,
+                          "completion_tokens": 1}
+                yield f"data: {json.dumps({'choices': [first], 'laneplay': {'per_choice': [timing]}})}\n\n"
+                for _ in range(200):
+                    await asyncio.sleep(0.02)
+                    yield f"data: {json.dumps({'choices': [{'index': 1, 'delta': {'content': 'b'}}]})}\n\n"
+                return
             for k in range(3):
                 for i, s in enumerate(samples):
                     await asyncio.sleep(0.01)
@@ -170,10 +192,10 @@ def engine():
 
 
 def run_batch(ctx, requests, n, wanted=lambda: True):
-    b = Batch([Column({"temperature": t}) for t in [0.0, 0.8, 1.2][:n]])
+    b = Generation([Column({"temperature": t}) for t in [0.0, 0.8, 1.2][:n]])
 
     async def go():
-        async for _ in stream_batch(ctx, requests, b, wanted):
+        async for _ in b.run(ctx, requests, wanted):
             pass
     asyncio.run(go())
     return b
@@ -207,8 +229,21 @@ def test_stop_ends_the_streams_and_keeps_what_came(engine):
     b = run_batch(engine, engine_requests(True, "chat", "", "x", shared, cols), 2,
                   wanted=lambda: time.monotonic() - t0 < 0.03)
     b.finish()
-    assert b.cancelled and all(c.meter.state == "done" for c in b.columns)
-    assert any(c.finish == "cancelled" and c.meter.note == "stopped" for c in b.columns)
+    assert b.cancelled and all(c.meter.state in ("done", "stopped") for c in b.columns)
+    stopped = [c for c in b.columns if c.finish == "cancelled"]
+    assert stopped and all(c.meter.state == "stopped" and c.meter.source == "app" for c in stopped)
+
+
+def test_stop_keeps_the_engines_timing_of_a_finished_column_and_says_stopped_for_the_rest(engine):
+    shared, cols = settings(2, [0, 0.8], [1, 1], [0, 0], [0, 1], 7, "")
+    t0 = time.monotonic()
+    b = run_batch(engine, engine_requests(True, "chat", "", "x", shared, cols), 2,
+                  wanted=lambda: time.monotonic() - t0 < 0.5)
+    assert b.finish() is None and b.cancelled
+    done, cut = b.columns
+    assert (done.meter.state, done.meter.source, done.meter.ttft_ms, done.finish) == ("done", "server", 4.0, "stop")
+    assert cut.meter.state == "stopped" and cut.meter.source == "app" and cut.finish == "cancelled"
+    assert cut.meter.tokens >= 3 and cut.meter.tps and cut.text.startswith("bbb")  # the app's timing up to Stop
 
 
 def test_an_engine_error_is_one_message_and_every_meter_says_error(engine):
@@ -221,7 +256,7 @@ def test_an_engine_error_is_one_message_and_every_meter_says_error(engine):
 
 
 def test_routing_ignores_choices_past_the_shown_columns():
-    b = Batch([Column({}), Column({})])
+    b = Generation([Column({}), Column({})])
     b.route(None, StreamEvent("running"))
     assert [c.meter.state for c in b.columns] == ["running", "running"]
     b.route(None, StreamEvent("delta", index=1, text="x"))

@@ -129,8 +129,11 @@ def test_stop_ends_the_generation_and_frees_the_engine(server, owner):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     page.click("#stop")
-    stopped = wait_state(page, ["done", "idle"], timeout=10)
-    assert stopped["tokens"] < 600
+    stopped = wait_state(page, ["stopped", "done", "error"], timeout=10)
+    assert stopped["state"] == "stopped" and 3 <= stopped["tokens"] < 600, stopped  # its own state, not done
+    source = page.get_attribute("#meter", "data-source")
+    assert source == "server" or "app-side timing" in page.inner_text("#meter"), source  # says whose timing
+    screenshot(page, "playground-stopped")
     t0 = time.monotonic()
     deadline = t0 + 10
     while server.status().get("state") == "ready":  # the engine took the disconnect: nothing runs there
@@ -142,6 +145,22 @@ def test_stop_ends_the_generation_and_frees_the_engine(server, owner):
         time.sleep(0.1)
     generate(page, INSTRUCTION, max_tokens=8)
     assert wait_state(page, ["done", "error"], timeout=60)["state"] == "done"
+
+
+def test_a_400_character_line_wraps_in_the_output_with_its_indentation(server, owner):
+    _, _, page = owner
+    page.get_by_role("tab", name="Playground").click()
+    line = "    x = [" + ", ".join(str(i) for i in range(120)) + "]"
+    line = line[:400]
+    assert len(line) == 400
+    page.eval_on_selector("#output .cm-content", "(el, text) => { const v = el.cmTile.view; "
+                          "v.dispatch({changes: {from: 0, to: v.state.doc.length, insert: text}}); }", line)
+    sizes = page.eval_on_selector("#output .cm-scroller", "s => ({scroll: s.scrollWidth, client: s.clientWidth, "
+                                  "height: s.querySelector('.cm-line').getBoundingClientRect().height, "
+                                  "font: parseFloat(getComputedStyle(s.querySelector('.cm-line')).fontSize)})")
+    assert sizes["scroll"] <= sizes["client"] + 1, sizes  # no horizontal scroll: the line wraps
+    assert sizes["height"] > 3 * sizes["font"], sizes  # over several rows, all of it readable
+    assert output_text(page) == line  # the indentation is kept
 
 
 def test_bad_input_is_a_message_and_nothing_is_stored(server, owner):

@@ -85,6 +85,10 @@ def test_three_columns_stream_as_one_batch_then_test_use_and_share(server, new_c
     page.wait_for_function("() => document.querySelector('#sbs-aggregate').dataset.state === 'done'")
     assert page.get_attribute("#sbs-aggregate", "data-columns") == "3"
     assert float(page.get_attribute("#sbs-aggregate", "data-batch-tps")) > 0
+    # The batch-1 reference is this page's own measurement: none yet (the other browsers' Playground runs on
+    # this server do not count), so nothing is estimated.
+    assert page.get_attribute("#sbs-aggregate", "data-single-ms-per-token") == ""
+    assert "run one Playground generation in this page" in page.inner_text("#sbs-aggregate")
     texts = [editor_text(page, f"#sbs-col-{i}") for i in range(COLUMNS)]
     assert all(t.strip() for t in texts) and len(set(texts)) == COLUMNS, texts
 
@@ -116,4 +120,19 @@ def test_three_columns_stream_as_one_batch_then_test_use_and_share(server, new_c
     assert viewer.locator(".lp-sbs-share .lp-meter[data-state=done]").count() == COLUMNS
     assert "greedy" in viewer.inner_text(".lp-sbs-share-col[data-column='0']")
     assert viewer.get_attribute(".lp-sbs-share-col[data-column='0'] .lp-result", "data-status") in OUTCOMES
+
+    # After a Playground generation in this page, its ms/token is the reference of the next batch.
+    page.get_by_role("tab", name="Playground").click()
+    set_field(page, "max-tokens", "16")
+    page.click("#generate")
+    alone = wait_state(page, ["done", "error", "stopped"], timeout=120)
+    assert alone["state"] == "done", page.inner_text("#error")
+    alone_ms = float(page.get_attribute("#meter", "data-ms-per-token"))
+    page.get_by_role("tab", name="Side by side").click()
+    set_field(page, "sbs-max-tokens", "8")
+    page.click("#sbs-generate")
+    page.wait_for_function("() => { const a = document.querySelector('#sbs-aggregate').dataset; "
+                           "return a.state === 'done' && Number(a.tokens) <= 3 * 8; }", timeout=120_000)  # the new batch
+    assert float(page.get_attribute("#sbs-aggregate", "data-single-ms-per-token")) == pytest.approx(alone_ms, abs=0.01)
+    assert "this page's last Playground generation" in page.inner_text("#sbs-aggregate")
     assert rec.hosts == {"127.0.0.1"}, rec.hosts
