@@ -40,10 +40,10 @@ class ChoiceTiming:
 
 @dataclass
 class StreamEvent:
-    kind: str  # "queued" | "running" | "delta" | "done"
+    kind: str  # "queued" | "running" | "sharing" | "delta" | "done"
     index: int = 0
     text: str = ""
-    position: int | None = None  # queue position while queued
+    position: int | None = None  # queue position while queued; "sharing": how many other requests share the steps
     # "delta": {"finish_reason", "server": the engine's timing of a choice that just finished (or None)};
     # "done": the server's laneplay record of the whole request (or None)
     timing: dict | None = None
@@ -113,6 +113,11 @@ class EngineClient:
                     yield StreamEvent("queued", position=pos)
                 elif payload == "laneplay running":
                     yield StreamEvent("running")
+                elif payload.startswith("laneplay sharing"):
+                    try:
+                        yield StreamEvent("sharing", position=int(payload.split()[-1]))
+                    except ValueError:
+                        pass
                 continue
             if payload == "[DONE]":
                 break

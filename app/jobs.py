@@ -265,6 +265,8 @@ class JobManager:
         a busy one (429) is retried after the time it names."""
         for attempt in range(BUSY_RETRIES + 1):
             await self._wait_engine(job)
+            if (getattr(self.engine, "info", None) or {}).get("laneplay"):  # batch work on a Laneplay engine:
+                body = {**body, "laneplay": {"priority": "batch"}}  # the Playground's requests go first
             try:
                 return reply_of(await collect(self, body, chat, n))
             except EngineError as e:

@@ -4,8 +4,11 @@ The server renders it on every (throttled) update; `static/meter.js` draws the p
 sparkline from `data-latencies` and keeps `elapsed` ticking between updates. Machine-readable:
 `data-state` (loading | idle | queued | running | done | stopped | error: `stopped` is a run that
 Stop ended, its numbers up to the stop; `error` has a note that says what failed), `data-tokens`, `data-tps`,
-`data-ttft-ms`, plus `data-ms-per-token`, `data-elapsed-ms`, `data-source` ("server": the engine's
-own timing; "app": timed here from the stream, for servers that send none).
+`data-ttft-ms` (from the click to the first token: the wait for the engine included), plus
+`data-engine-ttft-ms` (the engine's own TTFT, from when it took the request), `data-queue-ms` (how long
+the request waited for the engine), `data-sharing` (how many other requests shared the engine's steps
+with it, now or at the end), `data-ms-per-token`, `data-elapsed-ms`, `data-source` ("server": the
+engine's own timing; "app": timed here from the stream, for servers that send none).
 """
 from __future__ import annotations
 
@@ -23,7 +26,10 @@ class MeterData:
     state: str = "idle"
     tokens: int = 0
     tps: float | None = None
-    ttft_ms: float | None = None
+    ttft_ms: float | None = None  # from the click: the wait included
+    engine_ttft_ms: float | None = None  # the engine's own, from when it took the request
+    queue_ms: float | None = None
+    sharing: int | None = None  # other requests in the engine's steps
     ms_per_token: float | None = None
     elapsed_ms: float = 0.0
     device: str | None = None
@@ -41,6 +47,21 @@ def of_stored(g: dict, note: str | None = None) -> MeterData:
                      tps=g["decode_tokens_per_second"], ttft_ms=g["ttft_ms"], ms_per_token=g["ms_per_token"],
                      device=g["device"], world_size=g["world_size"],
                      note=note if note is not None else f"finish: {g['finish_reason'] or '–'}")
+
+
+def _ttft_sub(d: MeterData) -> str:
+    """Under the TTFT (from the click): the wait and the engine's own TTFT, when they differ from it."""
+    parts = []
+    if d.queue_ms is not None and d.queue_ms >= 1:
+        parts.append(f"waited {d.queue_ms:.0f} ms")
+    if d.engine_ttft_ms is not None and (d.ttft_ms is None or abs(d.ttft_ms - d.engine_ttft_ms) >= 1):
+        parts.append(f"engine {d.engine_ttft_ms:.0f} ms")
+    return " · ".join(parts)
+
+
+def _ttft_title(d: MeterData) -> str:
+    return ("time to first token from the click, the wait for the engine included; the engine's own TTFT "
+            "counts from when it took the request")
 
 
 def _title(text: str) -> str:
@@ -65,6 +86,9 @@ def render(d: MeterData, elem_id: str = "meter", compact: bool = False, resting:
         "id": elem_id, "class": "lp-meter" + (" lp-compact" if compact else ""), "data-state": d.state,
         "data-tokens": str(d.tokens), "data-tps": "" if d.tps is None else f"{d.tps:.2f}",
         "data-ttft-ms": "" if d.ttft_ms is None else f"{d.ttft_ms:.1f}",
+        "data-engine-ttft-ms": "" if d.engine_ttft_ms is None else f"{d.engine_ttft_ms:.1f}",
+        "data-queue-ms": "" if d.queue_ms is None else f"{d.queue_ms:.0f}",
+        "data-sharing": "" if d.sharing is None else str(d.sharing),
         "data-ms-per-token": "" if d.ms_per_token is None else f"{d.ms_per_token:.2f}",
         "data-elapsed-ms": f"{d.elapsed_ms:.0f}", "data-source": d.source, "data-dtype": d.dtype or "",
         "data-latencies": ",".join(f"{x:.1f}" for x in lat),
@@ -76,8 +100,11 @@ def render(d: MeterData, elem_id: str = "meter", compact: bool = False, resting:
              ("ms/token", _num(d.ms_per_token, ".1f"), "mspt"), ("tokens", str(d.tokens), "tokens")]
     if not compact:
         cells += [("elapsed", f"{d.elapsed_ms / 1000:.1f} s", "elapsed"), ("runs on", where or "–", "where")]
+    titles = {"where": where or "–", "ttft": _ttft_title(d)}
     body = "".join(f'<div class="lp-cell lp-{key}"><span class="lp-k">{k}</span>'
-                   f'<span class="lp-v"{_title(v) if key == "where" else ""}>{html.escape(v)}</span></div>' for k, v, key in cells)
+                   f'<span class="lp-v"{_title(titles[key]) if titles.get(key) else ""}>{html.escape(v)}</span>'
+                   + (f'<span class="lp-sub">{html.escape(_ttft_sub(d))}</span>' if key == "ttft" and _ttft_sub(d) else "")
+                   + '</div>' for k, v, key in cells)
     why = ("the engine's timing of a stopped request did not arrive: timed here, from the stream"
            if d.state == "stopped" else "the server sent no timing: timed here, from the stream")
     source = "" if d.source == "server" else f'<span class="lp-src"{_title(why)}>app-side timing</span>'

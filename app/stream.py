@@ -112,6 +112,12 @@ async def engine_ready(engine, wanted: Callable[[], bool] = lambda: True,
 
 # ---- one generation ----------------------------------------------------------------------------------
 
+def _sharing_note(others: int | None) -> str:
+    if not others:
+        return ""
+    return f"sharing the engine with {others} other request{'s' if others > 1 else ''}"
+
+
 @dataclass
 class Column:
     """One choice of a generation as its stream fills it."""
@@ -123,24 +129,33 @@ class Column:
     prompt_tokens: int = 0
 
     def take_server(self, t: dict, request: dict | None = None) -> None:
-        """The engine's timing is the final word: it replaces the app's (`request`: the request's record,
-        for where it ran)."""
+        """The engine's timing is the final word on speed: it replaces the app's (`request`: the
+        request's record, for where it ran and how long it waited). The TTFT the meter shows stays the
+        one from the click (the wait included); the engine's own sits beside it."""
         m = self.meter
         self.server = t
-        m.ttft_ms = t.get("ttft_ms", m.ttft_ms)
+        m.engine_ttft_ms = t.get("ttft_ms", m.engine_ttft_ms)
         m.tps = t.get("decode_tokens_per_second", m.tps)
         m.ms_per_token = t.get("ms_per_token", m.ms_per_token)
         m.tokens = t.get("completion_tokens") or m.tokens
         m.source = "server"
         for name in ("device", "dtype", "world_size"):
             setattr(m, name, (request or {}).get(name, getattr(m, name)))
+        if request and request.get("queue_ms") is not None:
+            m.queue_ms = request["queue_ms"]
+        if request and request.get("shared_with") is not None:
+            m.sharing = request["shared_with"] if m.sharing is None else max(m.sharing, request["shared_with"])
+        if m.ttft_ms is None and m.engine_ttft_ms is not None:  # no text came: the engine's, plus the wait
+            m.ttft_ms = m.engine_ttft_ms + (m.queue_ms or 0.0)
 
     def stored(self, index: int) -> dict:
         """The generation record storage keeps (the timing as the meter ends with it)."""
         m = self.meter
         return {"sample_index": index, "text": self.text, "finish_reason": self.finish or "stop",
                 "completion_tokens": (self.server or {}).get("completion_tokens") or m.tokens,
-                "prompt_tokens": self.prompt_tokens, "ttft_ms": m.ttft_ms, "decode_tokens_per_second": m.tps,
+                "prompt_tokens": self.prompt_tokens,
+                "ttft_ms": m.engine_ttft_ms if m.engine_ttft_ms is not None else m.ttft_ms,  # the engine's speed
+                "decode_tokens_per_second": m.tps,
                 "ms_per_token": m.ms_per_token, "device": m.device or None, "world_size": m.world_size or None}
 
 
@@ -169,6 +184,11 @@ class Generation:
                 m.state, m.note = "queued", f"position {ev.position} in the engine's queue"
             elif ev.kind == "running" and m.state == "queued":
                 m.state, m.note = "running", "prefill"
+                m.queue_ms = self.timer.elapsed_ms()  # until the engine's own figure arrives
+            elif ev.kind == "sharing":
+                m.sharing = ev.position
+                if m.state == "running" and not c.finish:
+                    m.note = _sharing_note(ev.position)
             elif ev.kind == "delta":
                 t = self.timer.on_delta(i, ev.text, (ev.timing or {}).get("finish_reason"))
                 c.text += ev.text
@@ -177,7 +197,7 @@ class Generation:
                     t.tokens, t.decode_tps, t.ttft_ms, t.ms_per_token, t.latencies_ms
                 if (ev.timing or {}).get("server"):
                     c.take_server(ev.timing["server"])
-                m.state, m.note = ("done", f"finish: {c.finish}") if c.finish else ("running", "")
+                m.state, m.note = ("done", f"finish: {c.finish}") if c.finish else ("running", _sharing_note(m.sharing))
             elif ev.kind == "done":
                 c.prompt_tokens = (ev.usage or {}).get("prompt_tokens") or 0
                 mine = [t for t in (ev.timing or {}).get("per_choice") or []

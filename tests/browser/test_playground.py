@@ -298,3 +298,34 @@ def test_rename_and_delete_a_session_in_history(server, owner):
     page.wait_for_function("() => document.querySelector('#history-notice').innerText.includes('Deleted')")
     gone = history_rows(page)
     assert len(gone) == len(before) - 1 and not any("Renamed in the browser test" in r for r in gone)
+
+
+def test_four_browsers_generate_together_and_each_meter_shows_its_wait(server, new_context):
+    """Four people press Generate at once: the engine batches them, so all four meters run at the same
+    time; each one's TTFT counts from its click (the wait for the engine included), with the engine's
+    own TTFT and the wait beside it, and the meter says it shared the engine."""
+    pages = [open_playground(new_context, server)[2] for _ in range(4)]
+    server.wait_ready()
+    for page in pages:
+        wait_state(page, ["idle"], timeout=60)
+        page.locator("#code .cm-content").fill("def add(a, b):\n")
+        page.locator("#instruction textarea").fill(LONG)
+        set_field(page, "max-tokens", "64")
+    for page in pages:
+        page.click("#generate")
+    together, deadline = False, time.monotonic() + 120
+    while time.monotonic() < deadline and not together:
+        together = all(meter(p)["state"] == "running" for p in pages)
+        time.sleep(0.02)
+    assert together, [meter(p) for p in pages]
+    finals = []
+    for page in pages:
+        wait_state(page, ["done", "error"])
+        finals.append(page.eval_on_selector("#meter", "m => ({state: m.dataset.state, ttft: Number(m.dataset.ttftMs), "
+                                                     "engine: Number(m.dataset.engineTtftMs), "
+                                                     "queue: Number(m.dataset.queueMs), sharing: m.dataset.sharing})"))
+    assert all(f["state"] == "done" for f in finals), finals
+    for f in finals:
+        assert f["ttft"] >= f["engine"] + f["queue"] - 1, f  # the click's TTFT holds the wait and the engine's
+    assert max(int(f["sharing"] or 0) for f in finals) >= 1, finals
+    screenshot(pages[-1], "playground-shared")
