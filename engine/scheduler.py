@@ -15,6 +15,10 @@ Admission, stated as policy:
   what a row costs);
 - batch requests leave `interactive_reserve` rows free, so an interactive request always joins at the
   next step boundary;
+- while interactive requests decode, a step takes batch requests beside them only up to `shared_rows`
+  rows in all (4 by default: what a step of 4 rows costs over one is what an interactive request pays,
+  bench/results/batching.json); the batch requests that do not fit wait that step out with their
+  caches kept (they resume exactly where they were), so a pass@N run slows, not the Playground;
 - the rows' KV caches together stay within the engine's KV budget.
 
 Generation is synchronous torch code, so it runs in this thread, never on the event loop; each event
@@ -42,6 +46,7 @@ _DONE = object()  # end of a job's event stream
 PRIORITIES = ("interactive", "batch")
 MAX_ROWS = 16  # rows per decode step (see the module's policy)
 INTERACTIVE_RESERVE = 4  # rows batch requests leave free
+SHARED_ROWS = 4  # rows in a step where interactive requests decode beside batch ones
 
 
 class QueueFull(Exception):
@@ -104,7 +109,7 @@ class Scheduler:
     def __init__(self, engine, max_queue: int = 32, request_timeout_s: float = 600.0,
                  on_finish: Callable[[Job], None] | None = None, max_rows: int = MAX_ROWS,
                  interactive_reserve: int = INTERACTIVE_RESERVE, prefill_budget: int | None = None,
-                 prefix_cache: bool = True):
+                 prefix_cache: bool = True, shared_rows: int = SHARED_ROWS):
         self.engine = engine
         self.max_queue = max_queue
         self.request_timeout_s = request_timeout_s
@@ -112,6 +117,7 @@ class Scheduler:
         self.batched = bool(getattr(getattr(engine, "runner", None), "batchable", False))
         self.max_rows = max_rows if self.batched else 1
         self.interactive_reserve = min(interactive_reserve, max_rows - 1)
+        self.shared_rows = shared_rows
         runtime = getattr(engine, "runtime", None)
         self.prefill_budget = prefill_budget or getattr(runtime, "prefill_chunk", 512)
         self.kv_budget = getattr(runtime, "kv_budget_bytes", 0) or 0
@@ -334,7 +340,7 @@ class Scheduler:
             if seq.finished:
                 self._complete(job, seqs)
         self._leave(seqs)  # a stop that came during the prompts ends before the next token, as alone
-        decoding = [(j, s) for j, s in seqs.items() if not s.prefilling and not s.finished]
+        decoding = self._step_rows([(j, s) for j, s in seqs.items() if not s.prefilling and not s.finished])
         if not decoding:
             return
         from laneplay.engine.batch import decode_step
@@ -347,10 +353,25 @@ class Scheduler:
         for (job, seq), evs in zip(decoding, events):
             job.steps += 1
             job.step_rows += rows
-            job.sharing = len(seqs) - 1
+            job.sharing = len(decoding) - 1
             self._emit(job, evs)
             if seq.finished:
                 self._complete(job, seqs)
+
+    def _step_rows(self, ready: list) -> list:
+        """Which decoding requests this step runs: every interactive one, and batch ones beside them up to
+        `shared_rows` rows in all (all of them when no interactive request decodes)."""
+        if not any(j.priority == "interactive" for j, _ in ready) or all(j.priority == "interactive" for j, _ in ready):
+            return ready
+        rows = sum(s.n for j, s in ready if j.priority == "interactive")
+        out = []
+        for job, seq in ready:
+            if job.priority == "batch":
+                if rows + seq.n > self.shared_rows:
+                    continue  # it waits this step out, its cache kept
+                rows += seq.n
+            out.append((job, seq))
+        return out
 
     def _leave(self, seqs: dict) -> None:
         """Cancelled and timed-out requests leave the batch (their open samples end "cancelled")."""

@@ -359,3 +359,26 @@ def test_a_prompt_that_fails_ends_alone_and_the_running_rows_go_on(int4_engine):
     first, second = asyncio.run(main())
     assert second.outcome == "error" and first.outcome == "completed"
     assert got["keep"][0] == alone(eng, *keep)
+
+
+@pytest.mark.parametrize("shared_rows", [4, 16])
+def test_batch_work_waits_out_the_steps_an_interactive_request_needs(int4_engine, shared_rows):
+    """A pass@N-like batch request (4 samples) is decoding when a Playground request arrives: with the
+    default of 4 rows per shared step the batch rows wait while the interactive one decodes (it runs
+    alone, at its own speed), and resume exactly where they were; with room for them, they share."""
+    eng = int4_engine
+    batch = (PROMPTS[1], SamplingParams(max_tokens=40, temperature=0.9, seed=2, n=4, ignore_eos=True), "batch")
+    inter = (PROMPTS[0], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+
+    async def when_batch_decodes(sched, jobs):
+        if len(jobs) == 1:
+            while jobs[0].steps < 3:
+                await asyncio.sleep(0.005)
+
+    got = run_together(eng, [batch, inter], {"shared_rows": shared_rows}, between=when_batch_decodes)
+    (t_batch, _, j_batch), (t_inter, _, j_inter) = got
+    assert t_batch == alone(eng, *batch[:2]) and t_inter == alone(eng, *inter)
+    if shared_rows == 4:
+        assert j_inter.rows_per_step == 1 and j_batch.outcome == "completed"
+    else:
+        assert j_inter.rows_per_step == 5

@@ -365,6 +365,12 @@ def test_models_health_and_metrics(server):
     for name in ("laneplay_time_to_first_token_seconds_count", "laneplay_queue_wait_seconds_count"):
         assert after[(name, ())] == before[(name, ())] + 1
     assert ("laneplay_queue_depth", ()) in after and ("laneplay_time_per_output_token_seconds_count", ()) in after
+    # one decode step (max_tokens 2: the prefill's token, then one step) of one row
+    steps = ("laneplay_time_between_tokens_seconds_count", ())
+    assert after[steps] == before.get(steps, 0) + 1
+    rows = ("laneplay_rows_per_step_sum", ())
+    assert after[rows] == before.get(rows, 0) + 1
+    assert after[("laneplay_running_requests", ())] == 0
 
 
 def test_api_key(default_engine):
