@@ -31,7 +31,7 @@ help:
 	@echo "make run   - serve Laneplay with the embedded default model"
 	@echo "make test  - run the whole test suite"
 	@echo "make bench - run the benchmarks (tables + JSON in bench/results/)"
-	@echo "make bench-peers - build the optional llama.cpp peer for make bench (a few minutes)"
+	@echo "make bench-peers - build the optional llama.cpp peers (library and llama-server) for make bench (minutes)"
 	@echo "make gpu-check - on a CUDA machine: kernel checks + batch-1 decode timings (bench/results/gpu-check.json)"
 	@echo "make lock  - re-resolve constraints.txt from pyproject.toml (newest versions allowed)"
 
@@ -117,6 +117,22 @@ bench-peers: venv
 	@echo "llama.cpp build flags: $(LLAMA_CMAKE)"
 	CMAKE_ARGS="$(LLAMA_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(UV_ENV) $(UV) pip install --no-deps \
 	  --no-binary llama-cpp-python "llama-cpp-python==$(LLAMA_CPP_VERSION)" "diskcache==5.6.3"
+	$(MAKE) --no-print-directory $(LLAMA_SERVER)
+
+# llama-server (the serving peer of `laneplay bench serving`), from the llama.cpp sources inside the same
+# pinned llama-cpp-python source package, with the same flags; one static binary in the venv.
+LLAMA_SERVER := $(VENV)/bin/llama-server
+LLAMA_SRC    := $(VENV)/llama-src
+$(LLAMA_SERVER):
+	rm -rf $(LLAMA_SRC) && mkdir -p $(LLAMA_SRC)
+	$(PY) -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$(LLAMA_CPP_VERSION)" -d $(LLAMA_SRC)
+	tar xzf $(LLAMA_SRC)/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C $(LLAMA_SRC)
+	cmake -S $(LLAMA_SRC)/llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp -B $(LLAMA_SRC)/build \
+	  $(LLAMA_CMAKE) -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+	  -DLLAMA_BUILD_SERVER=ON -DCMAKE_BUILD_TYPE=Release
+	cmake --build $(LLAMA_SRC)/build --target llama-server -j$$(nproc)
+	cp $(LLAMA_SRC)/build/bin/llama-server $@
+	rm -rf $(LLAMA_SRC)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -9,7 +9,11 @@ Two tables, on the embedded default (the CPU default path unless --dtype says ot
    the engine one request at a time (--max-rows 1, the old scheduler's behaviour) and batching
    (--max-rows 16), in the same run: client TTFT (send -> first text) min / median / max and the wall
    time until all are done, each against the same engine's single-client run.
-3. a ~1,000-token prompt, then the same code with a new instruction: TTFT cold and with the prefix
+3. three requests decoding while a 1,500-token prompt joins: their time between tokens against their
+   ms/token alone and one prefill chunk;
+4. a Playground request beside a pass@N-like run (8 problems, greedy then N=8, batch priority): its
+   TTFT and tokens/s against the same request on an idle engine;
+5. a ~1,000-token prompt, then the same code with a new instruction: TTFT cold and with the prefix
    reused (whole prefill chunks, --prefill-chunk).
 JSON to bench/results/batching.json.
 """
@@ -52,6 +56,91 @@ def step_costs(engine, rows: list[int], context: int = 200, repeats: int = 20) -
         base = base or ms
         out.append({"requests": k, "ms_per_step": ms, "vs_one": ms / base, "ms_per_row": ms / k})
     return out
+
+
+async def _timed(http, body: dict) -> dict:
+    """One streamed request: client TTFT, the gaps between its tokens, its decode tokens/s."""
+    body = {"temperature": 0, "ignore_eos": True, "stream": True, **body}
+    t0, stamps = time.perf_counter(), []
+    async with http.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {") and any(c.get("text") for c in __import__("json").loads(line[6:])
+                                                   .get("choices", [])):
+                stamps.append(time.perf_counter())
+    gaps = [(b - a) * 1000 for a, b in zip(stamps, stamps[1:])]
+    span = stamps[-1] - stamps[0] if len(stamps) > 1 else 0
+    return {"ttft_ms": (stamps[0] - t0) * 1000 if stamps else None, "gaps_ms": gaps,
+            "tps": (len(stamps) - 1) / span if span else None, "t_first": stamps[0] if stamps else None,
+            "t_last": stamps[-1] if stamps else None}
+
+
+def long_prompt_joins(engine, prompt_tokens: int = 1500) -> dict:
+    """Three requests decode; a long prompt arrives: their time between tokens while it is prefilled,
+    against their ms/token alone and one prefill chunk's time."""
+    from laneplay.bench.load import percentile
+
+    chunk = engine.runtime.prefill_chunk
+    ids = torch.full((1, chunk), 7, dtype=torch.long)
+    engine.model.prefill(ids, 1, chunk + 8, chunk=chunk)
+    t0 = time.perf_counter()
+    engine.model.prefill(ids, 1, chunk + 8, chunk=chunk)
+    chunk_ms = (time.perf_counter() - t0) * 1000
+    long_text = _code(200)
+    long_ids = engine.tokenizer.encode(long_text)[:prompt_tokens]
+
+    async def go(url):
+        async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+            alone = await _timed(http, {"prompt": PROMPTS[0], "max_tokens": 96})
+            runners = [asyncio.create_task(_timed(http, {"prompt": PROMPTS[i], "max_tokens": 256})) for i in range(3)]
+            await asyncio.sleep(1.0)
+            t_join = time.perf_counter()
+            joiner = await _timed(http, {"prompt": long_ids, "max_tokens": 8})
+            t_joined = time.perf_counter()
+            three = await asyncio.gather(*runners)
+            return alone, three, joiner, t_join, t_joined
+
+    with InProcessServer(engine, 16) as url:
+        alone, three, joiner, t_join, t_joined = asyncio.run(go(url))
+    gaps = [g for r in three for g in r["gaps_ms"]]
+    alone_ms = statistics.median(alone["gaps_ms"])
+    p99 = percentile(gaps, 99)
+    return {"prompt_tokens": len(long_ids), "alone_ms_per_token": alone_ms, "chunk_ms": chunk_ms,
+            "tbt_p50_ms": percentile(gaps, 50), "tbt_p99_ms": p99, "tbt_max_ms": max(gaps),
+            "bound_ms": 2 * alone_ms + chunk_ms, "joiner_ttft_ms": joiner["ttft_ms"],
+            "holds": p99 <= 2 * alone_ms + chunk_ms}
+
+
+def beside_passn(engine, problems: int = 8, n: int = 8) -> dict:
+    """A pass@N-like run (per problem: greedy, then n samples; batch priority) while one Playground
+    request streams 128 tokens: its TTFT and tokens/s against the same request on an idle engine."""
+    from laneplay.evals.problems import select
+
+    prompts = [p.prompt for p in select(f"humaneval:0-{problems}")]
+
+    async def go(url):
+        async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+            body = {"prompt": PROMPTS[3], "max_tokens": 128}
+            idle = await _timed(http, body)
+
+            async def passn():
+                for p in prompts:
+                    for k, temp in ((1, 0.0), (n, 0.8)):
+                        await http.post("/v1/completions", json={
+                            "prompt": p, "max_tokens": 128, "n": k, "temperature": temp, "seed": 0,
+                            "laneplay": {"priority": "batch"}})
+
+            job = asyncio.create_task(passn())
+            await asyncio.sleep(2.0)
+            busy = await _timed(http, body)
+            job.cancel()
+            return idle, busy
+
+    with InProcessServer(engine, 16) as url:
+        idle, busy = asyncio.run(go(url))
+    return {"idle_ttft_ms": idle["ttft_ms"], "busy_ttft_ms": busy["ttft_ms"],
+            "ttft_vs_idle": busy["ttft_ms"] / idle["ttft_ms"], "idle_tps": idle["tps"], "busy_tps": busy["tps"],
+            "tps_vs_idle": busy["tps"] / idle["tps"]}
 
 
 def _free_port() -> int:
@@ -189,13 +278,25 @@ def main(argv: list[str] | None = None) -> int:
                         ("ttft_median_ms", "median", ".0f"), ("ttft_max_ms", "max", ".0f"),
                         ("ttft_max_vs_alone", "max x alone", ".2f"), ("wall_s", "wall s", ".2f"),
                         ("wall_vs_alone", "wall x alone", ".2f"), ("rows_per_step", "rows/step", ".1f")])
+    joins = long_prompt_joins(engine)
+    print("\nthree requests decode while a long prompt joins: their time between tokens (TBT)")
+    print_table([joins], [("prompt_tokens", "prompt", "d"), ("alone_ms_per_token", "alone ms/token", ".1f"),
+                          ("chunk_ms", "one chunk ms", ".0f"), ("tbt_p50_ms", "TBT p50", ".1f"),
+                          ("tbt_p99_ms", "TBT p99", ".1f"), ("bound_ms", "2x alone + chunk", ".0f"),
+                          ("joiner_ttft_ms", "its TTFT ms", ".0f")])
+    beside = beside_passn(engine)
+    print("\na Playground request (128 tokens) while a pass@N run (8 problems, N=8, batch priority) works")
+    print_table([beside], [("idle_ttft_ms", "TTFT idle ms", ".0f"), ("busy_ttft_ms", "beside pass@N", ".0f"),
+                           ("ttft_vs_idle", "x idle", ".2f"), ("idle_tps", "tok/s idle", ".1f"),
+                           ("busy_tps", "beside pass@N", ".1f"), ("tps_vs_idle", "x idle", ".2f")])
     prefix = prefix_reuse(engine)
     print("\nthe same ~1,000-token code with a new instruction: client TTFT cold, then with its prefix reused")
     print_table([prefix], [("prompt_tokens", "prompt tokens", "d"), ("cached_tokens", "reused", "d"),
                            ("cold_ttft_ms", "cold TTFT ms", ".0f"), ("warm_ttft_ms", "reused TTFT ms", ".0f"),
                            ("warm_vs_cold", "reused / cold", ".2f")])
     path = write_json("batching", {"dtype": engine.runtime.dtype, "tokens": args.tokens, "quiet": quiet,
-                                   "step_costs": rows, "users": users, "prefix_reuse": prefix}, args.out)
+                                   "step_costs": rows, "users": users, "long_prompt_joins": joins,
+                                   "beside_passn": beside, "prefix_reuse": prefix}, args.out)
     print(f"wrote {path}")
     engine.close()
     return 0

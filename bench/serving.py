@@ -125,7 +125,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loads", default="1,2,4,8", help="average requests in flight")
     p.add_argument("--requests", type=int, default=24, help="requests per load")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER") or shutil.which("llama-server"))
+    beside = os.path.join(os.path.dirname(sys.executable), "llama-server")  # where `make bench-peers` puts it
+    p.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
+                   or (beside if os.path.exists(beside) else None))
     p.add_argument("--allow-noisy", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
