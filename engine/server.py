@@ -9,10 +9,13 @@ queued request can only fail inside the engine. Generation runs in the scheduler
 Every response also carries a top-level "laneplay" object with the server-side timing (standard
 clients ignore unknown fields): ttft_ms, decode_tokens_per_second, ms_per_token, total_ms, device,
 world_size, queue_ms, request_seq (arrival order), start_seq (order the engine started requests),
+priority, rows_per_step (rows in its decode steps, on average), shared_with (other requests in its last step),
 per_choice (each choice's timing, seed and sampling settings). When streaming, the chunk that finishes a choice carries that choice's timing, and the
 last chunk before [DONE] (the usage chunk when stream_options.include_usage is set) carries it all.
 
-A request may carry a "laneplay" object of its own, for DTP engines (world size 2 or more):
+A request may carry a "laneplay" object of its own: {"priority": "interactive" | "batch"} says how the
+scheduler admits it (engine/scheduler.py: batch work fills what interactive requests leave); and for DTP
+engines (world size 2 or more):
 {"collectives": "delayed" | "wait_now", "timeline": true | false}. The engine runs that request, and
 only it, with those collectives (the A/B of the delay is two requests), and with "timeline" the final
 "laneplay" object adds "timeline": every rank's decode steps (compute, collectives issued, delayed

@@ -331,6 +331,9 @@ BAD = [  # (path, raw body, status, param)
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": 5}]}', 400, "messages"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 1.5}',
      400, "max_completion_tokens"),
+    ("/v1/completions", '{"prompt": "x", "laneplay": {"priority": "later"}}', 400, "laneplay.priority"),
+    ("/v1/completions", '{"prompt": "x", "laneplay": {"priority": 1}}', 400, "laneplay.priority"),
+    ("/v1/completions", '{"prompt": "x", "laneplay": {"priorty": "batch"}}', 400, "laneplay.priorty"),
 ]
 
 
@@ -466,3 +469,12 @@ def test_a_waiting_stream_says_queued_then_running(default_engine, max_rows):
         first.join()
     shared = [": laneplay sharing 1"] if max_rows > 1 else []
     assert comments == [": laneplay queued 1", ": laneplay running", *shared], comments
+
+
+def test_a_batch_request_says_how_it_ran(server):
+    r = httpx.post(server + "/v1/completions", timeout=120, json={
+        "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "laneplay": {"priority": "batch"}})
+    assert r.status_code == 200, r.text
+    t, usage = r.json()["laneplay"], r.json()["usage"]
+    assert t["priority"] == "batch" and t["rows_per_step"] == 1 and t["shared_with"] == 0
+    assert usage["prompt_tokens_details"]["cached_tokens"] % 512 == 0
