@@ -3,7 +3,9 @@
     python -m laneplay.bench.report [--results DIR]
 
 Prints Markdown: the decode table (ours vs transformers vs llama.cpp at each prompt length), batched
-samples, where a step goes, the low-bit paths' quality against float32, and the DTP A/B, each with the machine, date and whether the run was flagged noisy.
+samples, where a step goes, the low-bit paths' quality against float32, the DTP A/B, many users on one
+engine and open-loop serving against llama-server, each with the machine, date and whether the run
+was flagged noisy.
 """
 from __future__ import annotations
 
@@ -69,6 +71,54 @@ def dtp_table(d: dict) -> str:
     return "\n".join(lines)
 
 
+def batching_tables(d: dict) -> str:
+    """bench/batching.py's run: what a shared step costs, concurrent users, a long prompt joining, a
+    Playground request beside pass@N, a reused prefix."""
+    flag = "" if (d.get("quiet") or {}).get("quiet", True) else " **(flagged noisy)**"
+    lines = [f"Many users on one engine ({d.get('dtype')}), {_head(d)}{flag}. One decode step for k separate "
+             "requests, each on its own cache at its own position:", "",
+             "| requests | ms/step | × one | ms/row |", "|---|---|---|---|"]
+    lines += [f"| {r['requests']} | {r['ms_per_step']:.1f} | {r['vs_one']:.2f} | {r['ms_per_row']:.2f} |"
+              for r in d.get("step_costs") or []]
+    lines += ["", f"k clients at once, {d.get('tokens')} greedy tokens each; TTFT from send:", "",
+              "| engine | users | TTFT min ms | median | max | wall s | wall × alone | rows/step |",
+              "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['engine']} | {r['users']} | {r['ttft_min_ms']:.0f} | {r['ttft_median_ms']:.0f} | "
+              f"{r['ttft_max_ms']:.0f} | {r['wall_s']:.2f} | {r['wall_vs_alone']:.2f} | {r['rows_per_step']:.1f} |"
+              for r in d.get("users") or []]
+    j = d.get("long_prompt_joins")
+    if j:
+        lines += ["", f"Three requests decoding while a {j['prompt_tokens']}-token prompt joins: their time between "
+                  f"tokens p50 {j['tbt_p50_ms']:.1f} ms, p99 {j['tbt_p99_ms']:.0f} ms, against 2 × their ms/token alone "
+                  f"({j['alone_ms_per_token']:.1f}) + one chunk ({j['chunk_ms']:.0f} ms) = {j['bound_ms']:.0f} ms; the "
+                  f"long prompt's TTFT {j['joiner_ttft_ms']:.0f} ms."]
+    b = d.get("beside_passn")
+    if b:
+        lines += ["", f"A Playground request (128 tokens) while a pass@N-like run (8 problems, N = 8, batch priority) "
+                  f"works: TTFT {b['busy_ttft_ms']:.0f} ms ({b['ttft_vs_idle']:.2f} × idle), "
+                  f"{b['busy_tps']:.1f} tok/s ({b['tps_vs_idle']:.2f} × idle)."]
+    p = d.get("prefix_reuse")
+    if p:
+        lines += ["", f"The same code with a new instruction ({p['prompt_tokens']}-token prompt): {p['cached_tokens']} "
+                  f"prompt tokens reused (whole {p['prefill_chunk']}-token chunks), TTFT {p['warm_ttft_ms']:.0f} ms "
+                  f"against {p['cold_ttft_ms']:.0f} ms cold ({p['warm_vs_cold']:.2f})."]
+    return "\n".join(lines)
+
+
+def serving_table(d: dict) -> str:
+    """bench/serving.py's run: open-loop arrivals, ours vs llama-server."""
+    flag = "" if (d.get("quiet") or {}).get("quiet", True) else " **(flagged noisy)**"
+    lines = [f"Open-loop arrivals, {d.get('requests')} requests per load (prompts 50-2,000 tokens, 64-512 greedy "
+             f"tokens, {d.get('threads')} threads), {_head(d)}{flag}; load = average requests in flight at their "
+             f"alone speed ({d.get('mean_alone_s', 0):.2f} s each):", "",
+             "| server | load | TTFT p50 ms | TTFT p99 ms | TBT p50 ms | TBT p99 ms | tok/s per user | tok/s in all |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['server']} | {r['load']:.0f} | {_f(r.get('ttft_p50_ms'), '.0f')} | {_f(r.get('ttft_p99_ms'), '.0f')} | "
+              f"{_f(r.get('tbt_p50_ms'), '.1f')} | {_f(r.get('tbt_p99_ms'), '.1f')} | "
+              f"{_f(r.get('user_tps_median'), '.1f')} | {_f(r.get('aggregate_tps'), '.1f')} |" for r in d.get("rows") or []]
+    return "\n".join(lines)
+
+
 def gpu_tables(d: dict) -> str:
     """bench/gpu_check.py's run: the kernels' check and each model's decode paths."""
     bw = d.get("bandwidth") or {}
@@ -99,7 +149,8 @@ def gpu_tables(d: dict) -> str:
 def report(folder: Path = RESULTS) -> str:
     parts = []
     for name, render in (("decode-cpu.json", decode_tables), ("lowbit-quality.json", quality_tables),
-                         ("dtp-cpu.json", dtp_table), ("gpu-check.json", gpu_tables)):
+                         ("dtp-cpu.json", dtp_table), ("batching.json", batching_tables),
+                         ("serving.json", serving_table), ("gpu-check.json", gpu_tables)):
         path = Path(folder) / name
         if path.is_file():
             parts.append(render(json.loads(path.read_text())))

@@ -96,3 +96,24 @@ def test_the_readme_tables_are_generated_from_the_json(tmp_path):
                       {"dtype": "int4", "problems": 164, "greedy_pass1": 0.067}]}))
     text = report(tmp_path)
     assert "| int4 | 100 | 97.00% | 1.500 | 0.1200 |" in text and "| int4 | 164 | 0.067 |" in text
+
+
+def test_the_serving_tables_are_generated_from_the_json(tmp_path):
+    from laneplay.bench.report import report
+
+    machine = {"cpu": "x", "cores": 2, "torch": "2"}
+    (tmp_path / "batching.json").write_text(json.dumps({
+        "when": "2026-12-06", "machine": machine, "dtype": "int4", "tokens": 128, "quiet": {"quiet": False},
+        "step_costs": [{"requests": 4, "ms_per_step": 14.3, "vs_one": 2.01, "ms_per_row": 3.57}],
+        "users": [{"engine": "batched", "users": 4, "ttft_min_ms": 90, "ttft_median_ms": 242, "ttft_max_ms": 369,
+                   "wall_s": 3.57, "wall_vs_alone": 2.66, "rows_per_step": 4.0}],
+        "prefix_reuse": {"prompt_tokens": 1017, "cached_tokens": 512, "prefill_chunk": 512, "warm_ttft_ms": 1563,
+                         "cold_ttft_ms": 2896, "warm_vs_cold": 0.54}}))
+    (tmp_path / "serving.json").write_text(json.dumps({
+        "when": "2026-12-06", "machine": machine, "requests": 16, "threads": 2, "mean_alone_s": 5.0,
+        "rows": [{"server": "llama-server", "load": 4.0, "ttft_p50_ms": 300.0, "ttft_p99_ms": 2000.0,
+                  "tbt_p50_ms": 20.0, "tbt_p99_ms": 90.0, "user_tps_median": 40.0, "aggregate_tps": 120.0}]}))
+    text = report(tmp_path)
+    assert "| 4 | 14.3 | 2.01 | 3.57 |" in text and "| batched | 4 | 90 | 242 | 369 | 3.57 | 2.66 | 4.0 |" in text
+    assert "512 prompt tokens reused" in text and "(0.54)" in text and "flagged noisy" in text
+    assert "| llama-server | 4 | 300 | 2000 | 20.0 | 90.0 | 40.0 | 120.0 |" in text
