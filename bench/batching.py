@@ -152,14 +152,16 @@ def _free_port() -> int:
 
 
 class InProcessServer:
-    def __init__(self, engine, max_rows: int):
+    def __init__(self, engine, max_rows: int, prefix_cache: bool = True):
         import uvicorn
 
         from laneplay.engine.server import create_app
 
         self.port = _free_port()
-        config = uvicorn.Config(create_app(engine, max_rows=max_rows, max_queue=64), host="127.0.0.1",
-                                port=self.port, log_level="warning")
+        app = create_app(engine, max_rows=max_rows, max_queue=64)
+        if not prefix_cache:
+            app.state.scheduler.prefixes = None
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

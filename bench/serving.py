@@ -6,7 +6,8 @@ Requests arrive at random (Poisson) times at a rate chosen so that, on average, 
 flight if each took its alone time (Little's law: rate = load / mean alone duration, the alone duration
 measured on our engine first). Each request is a code prompt of 50-2,000 tokens (HumanEval prompts put
 together) and asks for 64-512 greedy tokens; the schedule (arrival times, prompts, lengths) is drawn
-from a fixed seed and sent unchanged to each server, one server after the other:
+from a fixed seed, one per load (no load finds the previous one's prompts cached), and sent unchanged
+to each server, one server after the other:
 - ours: `laneplay engine` (the embedded default, the CPU default path, iteration-level batching);
 - llama-server from the llama.cpp sources in the pinned llama-cpp-python sdist (`--llama-server`, or
   $LLAMA_SERVER), same GGUF, `--parallel 8` slots with continuous batching, the same threads.
@@ -140,10 +141,14 @@ def main(argv: list[str] | None = None) -> int:
 
     engine = load_engine("smollm2-135m-instruct", dtype="auto")
     threads = torch.get_num_threads()
-    schedule = build_schedule(engine.tokenizer, args.requests, args.seed)
+    loads = [float(x) for x in args.loads.split(",")]
+    # Each load gets its own prompts (the same for both servers): a prompt seen at one load must not find
+    # its prefix cached at the next.
+    schedules = [build_schedule(engine.tokenizer, args.requests, args.seed + 1 + i) for i in range(len(loads))]
     rows = []
-    with InProcessServer(engine, 16) as url:  # the mean alone duration, on ours
-        alone = [asyncio.run(run_schedule(url, [r], 1.0, 0, {}))["wall_s"] for r in schedule[:6]]
+    with InProcessServer(engine, 16, prefix_cache=False) as url:  # the mean alone duration, on ours
+        alone = [asyncio.run(run_schedule(url, [r], 1.0, 0, {}))["wall_s"]
+                 for r in build_schedule(engine.tokenizer, 6, args.seed)]
     mean_alone = statistics.mean(alone)
     servers = [("ours", lambda: InProcessServer(engine, 16), {})]
     if args.llama_server:
@@ -154,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
               "llama-cpp-python sdist)", file=sys.stderr)
     for name, make, extra in servers:
         with make() as url:
-            for load in [float(x) for x in args.loads.split(",")]:
+            for load, schedule in zip(loads, schedules):
                 r = asyncio.run(run_schedule(url, schedule, load / mean_alone, args.seed, extra))
                 rows.append({"server": name, "load": load, **r})
                 print(f"{name} load {load}: {r}", flush=True)
