@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
+import json
 import socket
 import statistics
 import sys
@@ -58,21 +60,26 @@ def step_costs(engine, rows: list[int], context: int = 200, repeats: int = 20) -
     return out
 
 
-async def _timed(http, body: dict) -> dict:
-    """One streamed request: client TTFT, the gaps between its tokens, its decode tokens/s."""
-    body = {"temperature": 0, "ignore_eos": True, "stream": True, **body}
-    t0, stamps = time.perf_counter(), []
+async def timed_request(http, body: dict) -> dict:
+    """One streamed completion (greedy, ignore_eos unless `body` says otherwise): the client's TTFT (send
+    -> first text), the gaps between its tokens, its decode tokens/s, and the server's final `laneplay`
+    record (empty from other servers) and usage."""
+    body = {"temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **body}
+    t0, stamps, server, usage = time.perf_counter(), [], {}, {}
     async with http.stream("POST", "/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
-            if line.startswith("data: {") and any(c.get("text") for c in __import__("json").loads(line[6:])
-                                                   .get("choices", [])):
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if any(c.get("text") for c in chunk.get("choices", [])):
                 stamps.append(time.perf_counter())
-    gaps = [(b - a) * 1000 for a, b in zip(stamps, stamps[1:])]
+            server, usage = chunk.get("laneplay") or server, chunk.get("usage") or usage
+    gaps = [(b - a) * 1000 for a, b in itertools.pairwise(stamps)]
     span = stamps[-1] - stamps[0] if len(stamps) > 1 else 0
-    return {"ttft_ms": (stamps[0] - t0) * 1000 if stamps else None, "gaps_ms": gaps,
-            "tps": (len(stamps) - 1) / span if span else None, "t_first": stamps[0] if stamps else None,
-            "t_last": stamps[-1] if stamps else None}
+    return {"ttft_ms": (stamps[0] - t0) * 1000 if stamps else None, "gaps_ms": gaps, "tokens": len(stamps),
+            "tps": (len(stamps) - 1) / span if span else None, "e2e_s": time.perf_counter() - t0, "server": server,
+            "usage": usage}
 
 
 def long_prompt_joins(engine, prompt_tokens: int = 1500) -> dict:
@@ -93,11 +100,11 @@ def long_prompt_joins(engine, prompt_tokens: int = 1500) -> dict:
 
     async def go(url):
         async with httpx.AsyncClient(base_url=url, timeout=600) as http:
-            alone = await _timed(http, {"prompt": PROMPTS[0], "max_tokens": 96})
-            runners = [asyncio.create_task(_timed(http, {"prompt": PROMPTS[i], "max_tokens": 256})) for i in range(3)]
+            alone = await timed_request(http, {"prompt": PROMPTS[0], "max_tokens": 96})
+            runners = [asyncio.create_task(timed_request(http, {"prompt": PROMPTS[i], "max_tokens": 256})) for i in range(3)]
             await asyncio.sleep(1.0)
             t_join = time.perf_counter()
-            joiner = await _timed(http, {"prompt": long_ids, "max_tokens": 8})
+            joiner = await timed_request(http, {"prompt": long_ids, "max_tokens": 8})
             t_joined = time.perf_counter()
             three = await asyncio.gather(*runners)
             return alone, three, joiner, t_join, t_joined
@@ -123,7 +130,7 @@ def beside_passn(engine, problems: int = 8, n: int = 8) -> dict:
     async def go(url):
         async with httpx.AsyncClient(base_url=url, timeout=600) as http:
             body = {"prompt": PROMPTS[3], "max_tokens": 128}
-            idle = await _timed(http, body)
+            idle = await timed_request(http, body)
 
             async def passn():
                 for p in prompts:
@@ -134,13 +141,13 @@ def beside_passn(engine, problems: int = 8, n: int = 8) -> dict:
 
             job = asyncio.create_task(passn())
             await asyncio.sleep(2.0)
-            busy = await _timed(http, body)
+            busy = await timed_request(http, body)
             job.cancel()
             return idle, busy
 
     with InProcessServer(engine, 16) as url:
         idle, busy = asyncio.run(go(url))
-    return {"idle_ttft_ms": idle["ttft_ms"], "busy_ttft_ms": busy["ttft_ms"],
+    return {"problems": problems, "n": n, "idle_ttft_ms": idle["ttft_ms"], "busy_ttft_ms": busy["ttft_ms"],
             "ttft_vs_idle": busy["ttft_ms"] / idle["ttft_ms"], "idle_tps": idle["tps"], "busy_tps": busy["tps"],
             "tps_vs_idle": busy["tps"] / idle["tps"]}
 
@@ -176,33 +183,17 @@ class InProcessServer:
         self.thread.join(30)
 
 
-async def _client(http, i: int, tokens: int) -> dict:
-    body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    t0, ttft, server = time.perf_counter(), None, {}
-    async with http.stream("POST", "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = __import__("json").loads(line[6:])
-            if ttft is None and any(c.get("text") for c in chunk.get("choices", [])):
-                ttft = (time.perf_counter() - t0) * 1000
-            server = chunk.get("laneplay") or server
-    return {"ttft_ms": ttft, "e2e_s": time.perf_counter() - t0, "rows_per_step": server.get("rows_per_step"),
-            "queue_ms": server.get("queue_ms")}
-
-
 async def _users(url: str, k: int, tokens: int) -> dict:
     async with httpx.AsyncClient(base_url=url, timeout=600) as http:
-        await _client(http, 0, 4)  # warm the connection and the engine
+        await timed_request(http, {"prompt": PROMPTS[0], "max_tokens": 4})  # warm the connection and the engine
         t0 = time.perf_counter()
-        clients = await asyncio.gather(*(_client(http, i, tokens) for i in range(k)))
+        clients = await asyncio.gather(*(timed_request(http, {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": tokens})
+                                         for i in range(k)))
         wall = time.perf_counter() - t0
     ttfts = [c["ttft_ms"] for c in clients]
     return {"users": k, "ttft_min_ms": min(ttfts), "ttft_median_ms": statistics.median(ttfts),
             "ttft_max_ms": max(ttfts), "wall_s": wall,
-            "rows_per_step": max(c["rows_per_step"] or 0 for c in clients)}
+            "rows_per_step": max(c["server"].get("rows_per_step") or 0 for c in clients)}
 
 
 def concurrency(engine, users: list[int], tokens: int, modes: dict[str, int]) -> list[dict]:
@@ -235,25 +226,14 @@ def prefix_reuse(engine, target_tokens: int = 1000, tokens: int = 16) -> dict:
 
     async def go(url):
         async with httpx.AsyncClient(base_url=url, timeout=600) as http:
-            out = []
-            for p in prompts:
-                body = {"prompt": p, "max_tokens": tokens, "temperature": 0, "stream": True,
-                        "stream_options": {"include_usage": True}}
-                t0, ttft, usage = time.perf_counter(), None, {}
-                async with http.stream("POST", "/v1/completions", json=body) as r:
-                    async for line in r.aiter_lines():
-                        if line.startswith("data: {"):
-                            chunk = __import__("json").loads(line[6:])
-                            if ttft is None and any(c.get("text") for c in chunk.get("choices", [])):
-                                ttft = (time.perf_counter() - t0) * 1000
-                            usage = chunk.get("usage") or usage
-                out.append((ttft, usage))
-            return out
+            return [await timed_request(http, {"prompt": p, "max_tokens": tokens}) for p in prompts]
 
     with InProcessServer(engine, 16) as url:
-        (cold, u0), (warm, u1) = asyncio.run(go(url))
-    return {"prompt_tokens": u1.get("prompt_tokens"), "cached_tokens": u1["prompt_tokens_details"]["cached_tokens"],
-            "cold_ttft_ms": cold, "warm_ttft_ms": warm, "warm_vs_cold": warm / cold,
+        cold, warm = asyncio.run(go(url))
+    u = warm["usage"]
+    return {"prompt_tokens": u.get("prompt_tokens"), "cached_tokens": u["prompt_tokens_details"]["cached_tokens"],
+            "cold_ttft_ms": cold["ttft_ms"], "warm_ttft_ms": warm["ttft_ms"],
+            "warm_vs_cold": warm["ttft_ms"] / cold["ttft_ms"],
             "prefill_chunk": engine.runtime.prefill_chunk}
 
 
@@ -264,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--users", default="1,4,8", help="concurrent clients (table 2; the first is the alone run)")
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill step")
+    p.add_argument("--join-tokens", type=int, default=1500, help="the long prompt that joins three decodes")
+    p.add_argument("--passn-problems", type=int, default=8, help="problems of the pass@N-like run (N = 8)")
     p.add_argument("--allow-noisy", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -282,14 +264,15 @@ def main(argv: list[str] | None = None) -> int:
                         ("ttft_median_ms", "median", ".0f"), ("ttft_max_ms", "max", ".0f"),
                         ("ttft_max_vs_alone", "max x alone", ".2f"), ("wall_s", "wall s", ".2f"),
                         ("wall_vs_alone", "wall x alone", ".2f"), ("rows_per_step", "rows/step", ".1f")])
-    joins = long_prompt_joins(engine)
+    joins = long_prompt_joins(engine, args.join_tokens)
     print("\nthree requests decode while a long prompt joins: their time between tokens (TBT)")
     print_table([joins], [("prompt_tokens", "prompt", "d"), ("alone_ms_per_token", "alone ms/token", ".1f"),
                           ("chunk_ms", "one chunk ms", ".0f"), ("tbt_p50_ms", "TBT p50", ".1f"),
                           ("tbt_p99_ms", "TBT p99", ".1f"), ("bound_ms", "2x alone + chunk", ".0f"),
                           ("joiner_ttft_ms", "its TTFT ms", ".0f")])
-    beside = beside_passn(engine)
-    print("\na Playground request (128 tokens) while a pass@N run (8 problems, N=8, batch priority) works")
+    beside = beside_passn(engine, args.passn_problems)
+    print(f"\na Playground request (128 tokens) while a pass@N run ({args.passn_problems} problems, N=8, batch "
+          "priority) works")
     print_table([beside], [("idle_ttft_ms", "TTFT idle ms", ".0f"), ("busy_ttft_ms", "beside pass@N", ".0f"),
                            ("ttft_vs_idle", "x idle", ".2f"), ("idle_tps", "tok/s idle", ".1f"),
                            ("busy_tps", "beside pass@N", ".1f"), ("tps_vs_idle", "x idle", ".2f")])

@@ -22,7 +22,8 @@ QUICK = {"decode": ["--rounds", "1", "--new-tokens", "16", "--ours", "eager", "-
                     "--prompts", "short,512", "--bandwidth-gib", "0.25"],
          "dtp": ["--rounds", "1", "--tokens", "8", "--width", "128"],
          "prefill": ["--rounds", "1", "--lengths", "512", "--dtypes", "int4"],
-         "batching": ["--rows", "1,4", "--users", "1,4", "--tokens", "16"],
+         "batching": ["--rows", "1,4", "--users", "1,4", "--tokens", "16", "--join-tokens", "300",
+                      "--passn-problems", "1"],
          "serving": ["--loads", "2", "--requests", "4"]}
 
 

@@ -94,7 +94,8 @@ def batching_tables(d: dict) -> str:
                   f"long prompt's TTFT {j['joiner_ttft_ms']:.0f} ms."]
     b = d.get("beside_passn")
     if b:
-        lines += ["", f"A Playground request (128 tokens) while a pass@N-like run (8 problems, N = 8, batch priority) "
+        lines += ["", f"A Playground request (128 tokens) while a pass@N-like run ({b.get('problems', 8)} problems, "
+                  f"N = {b.get('n', 8)}, batch priority) "
                   f"works: TTFT {b['busy_ttft_ms']:.0f} ms ({b['ttft_vs_idle']:.2f} × idle), "
                   f"{b['busy_tps']:.1f} tok/s ({b['tps_vs_idle']:.2f} × idle)."]
     p = d.get("prefix_reuse")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import shutil
@@ -29,6 +28,7 @@ import time
 
 import httpx
 
+from laneplay.bench.batching import timed_request
 from laneplay.bench.common import check_quiet, print_table, write_json
 from laneplay.bench.load import percentile
 
@@ -48,27 +48,6 @@ def build_schedule(tokenizer, n: int, seed: int) -> list[dict]:
     return out
 
 
-async def _one(http, req: dict, extra: dict) -> dict:
-    body = {"prompt": req["prompt"], "max_tokens": req["max_tokens"], "temperature": 0, "stream": True,
-            "ignore_eos": True, **extra}
-    t0 = time.perf_counter()
-    stamps = []
-    async with http.stream("POST", "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if any(c.get("text") for c in chunk.get("choices", [])):
-                stamps.append(time.perf_counter())
-    if not stamps:
-        return {"ttft_ms": None, "gaps_ms": [], "tps": None, "tokens": 0}
-    gaps = [(b - a) * 1000 for a, b in zip(stamps, stamps[1:])]
-    span = stamps[-1] - stamps[0]
-    return {"ttft_ms": (stamps[0] - t0) * 1000, "gaps_ms": gaps, "tokens": len(stamps),
-            "tps": (len(stamps) - 1) / span if span > 0 else None}
-
-
 async def run_schedule(url: str, schedule: list[dict], rate: float, seed: int, extra: dict) -> dict:
     rng = random.Random(seed)
     arrivals, t = [], 0.0
@@ -81,7 +60,7 @@ async def run_schedule(url: str, schedule: list[dict], rate: float, seed: int, e
 
         async def at(when, req):
             await asyncio.sleep(max(0.0, when - (time.perf_counter() - t0)))
-            return await _one(http, req, extra)
+            return await timed_request(http, {"prompt": req["prompt"], "max_tokens": req["max_tokens"], **extra})
 
         results = await asyncio.gather(*(at(a, r) for a, r in zip(arrivals, schedule)))
         wall = time.perf_counter() - t0
