@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from laneplay.limits import MAX_N, MAX_SEED, MAX_STOP_LENGTH, MAX_STOP_STRINGS
+from laneplay.limits import MAX_N, MAX_SEED, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_TEMPERATURE, MIN_TEMPERATURE
 
 # Temperatures below this are greedy: dividing by them would overflow float32 (1e-38 is inf), and the
 # distribution they describe is already the argmax to within float precision.
@@ -32,7 +32,8 @@ def _is_num(v) -> bool:
 
 # (name, accepts, what an accepted value is): shared by a request's and each sample's settings.
 _RULES = (
-    ("temperature", lambda v: _is_num(v) and 0 <= v <= 100, "must be in [0, 100]"),
+    ("temperature", lambda v: _is_num(v) and MIN_TEMPERATURE <= v <= MAX_TEMPERATURE,
+     f"must be in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]"),
     ("top_p", lambda v: _is_num(v) and 0 < v <= 1, "must be in (0, 1]"),
     ("top_k", lambda v: _is_int(v) and v >= 0, "must be an integer >= 0 (0 = off)"),
     ("min_p", lambda v: _is_num(v) and 0 <= v <= 1, "must be in [0, 1]"),
