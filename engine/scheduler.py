@@ -56,6 +56,12 @@ class QueueFull(Exception):
 STARTED = object()  # pushed into a job's stream when the worker starts it (it was queued until then)
 
 
+@dataclass(frozen=True)
+class Queued:
+    """Pushed into a waiting job's stream when its place in line changes (1: it starts next)."""
+    position: int
+
+
 @dataclass(eq=False)
 class Job:
     """One admitted request: its prompt ids and params, its event queue, and what happened to it."""
@@ -80,6 +86,7 @@ class Job:
     step_rows: int = 0
     sharing: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    position: int | None = None  # its place in line, as last told to it
 
     @property
     def queue_ms(self) -> float | None:
@@ -97,8 +104,8 @@ class Job:
             self.cancelled = True
 
     async def stream(self) -> AsyncIterator:
-        """The job's GenerationEvents, as the worker produces them (and STARTED when the engine takes
-        the job); re-raises an engine error."""
+        """The job's GenerationEvents, as the worker produces them (Queued when its place in line moves,
+        STARTED when the engine takes the job); re-raises an engine error."""
         while (item := await self.events.get()) is not _DONE:
             if isinstance(item, BaseException):
                 raise item
@@ -179,6 +186,8 @@ class Scheduler:
                 self._waiting.insert(at, job)
             else:
                 self._waiting.append(job)
+            job.position = self._waiting.index(job) + 1
+            self._tell_positions()
             self._cond.notify()
         return job
 
@@ -192,6 +201,7 @@ class Scheduler:
                 self._waiting.remove(job)
             except ValueError:
                 return  # running: the worker sees the flag at the next step boundary
+            self._tell_positions()
         self._drop(job)
 
     def position(self, job: Job) -> int | None:
@@ -236,6 +246,7 @@ class Scheduler:
                     return
                 job = self._waiting.pop(0)
                 self.running.append(job)
+                self._tell_positions()
             self._run(job)
 
     def _run(self, job: Job) -> None:
@@ -284,7 +295,7 @@ class Scheduler:
             cap = self.max_rows - (self.interactive_reserve if job.priority == "batch" else 0)
             need = kv_need(self.engine, job.ids, job.params)
             if self.running and (rows + job.params.n > cap or (self.kv_budget and kv + need > self.kv_budget)):
-                return
+                break
             if self.prefixes is not None and self.kv_budget:  # running requests first: cached prefixes make room
                 self.prefixes.shrink(self.kv_budget - kv - need)
             self._waiting.pop(0)
@@ -300,7 +311,14 @@ class Scheduler:
                 continue
             rows += job.params.n
             kv += need
+        self._tell_positions()
 
+    def _tell_positions(self) -> None:
+        """Each waiting job whose place in line moved hears its new one (called under the lock)."""
+        for i, job in enumerate(self._waiting, 1):
+            if job.position is not None and job.position != i:
+                job.position = i
+                job.push(Queued(i))
     def _work_batched(self) -> None:
         seqs: dict[Job, object] = {}  # running job -> its Sequence
         while True:

@@ -44,7 +44,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from laneplay.engine.sampling import SAMPLE_KEYS, SamplingParams
-from laneplay.engine.scheduler import MAX_ROWS, PRIORITIES, STARTED, Job, QueueFull, Scheduler
+from laneplay.engine.scheduler import MAX_ROWS, PRIORITIES, STARTED, Job, Queued, QueueFull, Scheduler
 
 DEFAULT_MAX_TOKENS = 256  # when the request names none (capped by what the context has left)
 MAX_BODY_BYTES = 4 << 20
@@ -343,6 +343,9 @@ async def stream_reply(reply: Reply, n: int, include_usage: bool, scheduler: Sch
             if ev is STARTED:
                 yield ": laneplay running\n\n"
                 continue
+            if isinstance(ev, Queued):  # its place in line moved
+                yield f": laneplay queued {ev.position}\n\n"
+                continue
             if reply.job.sharing != sharing:  # how many other requests share the engine's steps now
                 sharing = reply.job.sharing
                 yield f": laneplay sharing {sharing}\n\n"
@@ -398,7 +401,7 @@ async def collect_reply(reply: Reply, n: int, request: Request, scheduler: Sched
     texts, reasons = [[] for _ in range(n)], [None] * n
     try:
         async for ev in reply.job.stream():
-            if ev is STARTED:
+            if ev is STARTED or isinstance(ev, Queued):
                 continue
             texts[ev.sample_index].append(ev.text)
             reasons[ev.sample_index] = _api_reason(ev.finish_reason)

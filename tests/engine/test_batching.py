@@ -12,7 +12,7 @@ import torch
 
 from laneplay.engine import SamplingParams, load_engine
 from laneplay.engine.checkpoint import random_laneformer_tensors, tiny_laneformer_config, write_checkpoint
-from laneplay.engine.scheduler import STARTED, Scheduler
+from laneplay.engine.scheduler import STARTED, Queued, Scheduler
 
 PROMPTS = ["def fib(n):\n", "# Sort a list of numbers in place.\ndef sort(xs):\n", "class Stack:\n    def push(",
            "import os\n\n\ndef walk(path):\n    \"\"\"Yield every file under path.\"\"\"\n"]
@@ -38,7 +38,7 @@ async def _collect(job):
     out: dict[int, list[int]] = {}
     reasons = {}
     async for ev in job.stream():
-        if ev is STARTED:
+        if ev is STARTED or isinstance(ev, Queued):
             continue
         out.setdefault(ev.sample_index, []).extend(ev.token_ids)
         if ev.finish_reason:
@@ -382,3 +382,29 @@ def test_batch_work_waits_out_the_steps_an_interactive_request_needs(int4_engine
         assert j_inter.rows_per_step == 1 and j_batch.outcome == "completed"
     else:
         assert j_inter.rows_per_step == 5
+
+
+def test_a_waiting_request_hears_its_place_in_line_move(int4_engine):
+    """One row per step: the third request waits behind two; as they start it hears 2, then 1."""
+    eng = int4_engine
+
+    async def main():
+        sched = Scheduler(eng, max_rows=1)
+        sched.start()
+        try:
+            jobs = [sched.submit(*eng.prepare(p, SamplingParams(max_tokens=6, temperature=0.0))) for p in PROMPTS[:3]]
+            heard = []
+            async for ev in jobs[2].stream():
+                if isinstance(ev, Queued):
+                    heard.append(ev.position)
+                elif ev is STARTED:
+                    heard.append("started")
+            for j in jobs[:2]:
+                await _collect(j)
+            return heard
+        finally:
+            sched.close()
+
+    heard = asyncio.run(main())
+    assert heard[-1] == "started" and heard[:-1] and heard[:-1][-1] == 1
+    assert heard[:-1] == sorted(heard[:-1], reverse=True)  # it only ever moves up
