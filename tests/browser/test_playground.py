@@ -242,12 +242,13 @@ def test_a_killed_engine_is_an_error_then_restarted(server, owner):
 
 
 def test_ten_browsers_generating_at_once_all_complete(server, new_context):
+    """Ten people press Generate at once: the engine batches them (16 rows a step), so they all run,
+    all finish, and their meters say they shared the engine."""
     server.wait_ready()
     pages = []
     for _ in range(10):
         _, _, p = open_playground(new_context, server)
-        # Long enough that the engine (one request at a time) is still busy while the later clicks land,
-        # however fast it decodes: a long instruction, so the answer does not end early.
+        # A long instruction, so the answers do not end early and the requests overlap.
         p.locator("#instruction textarea").fill(LONG)
         set_field(p, "max-tokens", "64")
         pages.append(p)
@@ -255,22 +256,17 @@ def test_ten_browsers_generating_at_once_all_complete(server, new_context):
         wait_state(p, ["idle"], timeout=60)
     for p in pages:
         p.click("#generate")
-    seen = [set() for _ in pages]
-    notes = [set() for _ in pages]
+    shared = [False] * len(pages)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        states = [meter(p)["state"] for p in pages]
-        for i, (s, st) in enumerate(zip(seen, states)):
-            s.add(st)
-            if st == "queued":
-                notes[i].add(pages[i].inner_text("#meter .lp-head"))
-        if all(st in ("done", "error") for st in states):
+        got = [p.eval_on_selector("#meter", "m => [m.dataset.state, m.dataset.sharing || '']") for p in pages]
+        for i, (_, sharing) in enumerate(got):
+            shared[i] |= sharing not in ("", "0")
+        if all(st in ("done", "error") for st, _ in got):
             break
         time.sleep(0.05)
     assert all(meter(p)["state"] == "done" for p in pages), [meter(p) for p in pages]
-    # The engine runs one request at a time: the others wait in its queue, and their meters say so.
-    waited = sum(any("in the engine's queue" in n for n in ns) for ns in notes)
-    assert waited >= 3, (seen, notes)
+    assert sum(shared) >= 5, shared  # they ran in the same steps, and the meters said so
 
 
 def test_rename_and_delete_a_session_in_history(server, owner):
