@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import itertools
 import json
-import socket
 import statistics
 import sys
 import threading
@@ -152,19 +151,14 @@ def beside_passn(engine, problems: int = 8, n: int = 8) -> dict:
             "tps_vs_idle": busy["tps"] / idle["tps"]}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class InProcessServer:
     def __init__(self, engine, max_rows: int, prefix_cache: bool = True):
         import uvicorn
 
+        from laneplay.app.supervisor import free_port
         from laneplay.engine.server import create_app
 
-        self.port = _free_port()
+        self.port = free_port()
         app = create_app(engine, max_rows=max_rows, max_queue=64)
         if not prefix_cache:
             app.state.scheduler.prefixes = None

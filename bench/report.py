@@ -22,7 +22,8 @@ def _f(x, fmt: str) -> str:
 
 def _head(d: dict) -> str:
     m = d.get("machine") or {}
-    flag = " **(flagged noisy)**" if d.get("noisy") else ""
+    noisy = d.get("noisy") or not (d.get("quiet") or {}).get("quiet", True)  # decode's flag, or a check_quiet record
+    flag = " **(flagged noisy)**" if noisy else ""
     return f"{(d.get('when') or '')[:10]}, {m.get('cpu') or '?'} × {m.get('cores') or '?'} cores, torch {m.get('torch')}{flag}"
 
 
@@ -74,8 +75,7 @@ def dtp_table(d: dict) -> str:
 def batching_tables(d: dict) -> str:
     """bench/batching.py's run: what a shared step costs, concurrent users, a long prompt joining, a
     Playground request beside pass@N, a reused prefix."""
-    flag = "" if (d.get("quiet") or {}).get("quiet", True) else " **(flagged noisy)**"
-    lines = [f"Many users on one engine ({d.get('dtype')}), {_head(d)}{flag}. One decode step for k separate "
+    lines = [f"Many users on one engine ({d.get('dtype')}), {_head(d)}. One decode step for k separate "
              "requests, each on its own cache at its own position:", "",
              "| requests | ms/step | × one | ms/row |", "|---|---|---|---|"]
     lines += [f"| {r['requests']} | {r['ms_per_step']:.1f} | {r['vs_one']:.2f} | {r['ms_per_row']:.2f} |"
@@ -108,9 +108,8 @@ def batching_tables(d: dict) -> str:
 
 def serving_table(d: dict) -> str:
     """bench/serving.py's run: open-loop arrivals, ours vs llama-server."""
-    flag = "" if (d.get("quiet") or {}).get("quiet", True) else " **(flagged noisy)**"
     lines = [f"Open-loop arrivals, {d.get('requests')} requests per load (prompts 50-2,000 tokens, 64-512 greedy "
-             f"tokens, {d.get('threads')} threads), {_head(d)}{flag}; load = average requests in flight at their "
+             f"tokens, {d.get('threads')} threads), {_head(d)}; load = average requests in flight at their "
              f"alone speed ({d.get('mean_alone_s', 0):.2f} s each):", "",
              "| server | load | TTFT p50 ms | TTFT p99 ms | TBT p50 ms | TBT p99 ms | tok/s per user | tok/s in all |",
              "|---|---|---|---|---|---|---|---|"]

@@ -83,13 +83,14 @@ class LocalRunner:
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
         start, keep, reused = None, None, 0
         if prefixes is not None:
-            cache = self.model.new_cache(1, max_seq_len)
+            cache = self.model.new_cache(1, max_seq_len)  # the prefill's own cache, reused prefix or not
             hit = prefixes.lookup(ids, cache.slots)
             built = KVPrefix(len(cache.slots))
             if hit is not None:
                 prefix, reused = hit
                 prefix.load(cache, reused)
-                start, built = (cache, reused), prefix.truncated(reused)
+                built = prefix.truncated(reused)
+            start = (cache, reused)
 
             def keep(cache, a, b, last):
                 built.add_chunk(cache, a, b)

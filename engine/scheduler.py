@@ -37,6 +37,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
+from laneplay.engine.batch import PrefixCache, Sequence, decode_step, kv_need
 from laneplay.engine.metrics import GenerationMetrics
 from laneplay.engine.sampling import SamplingParams
 
@@ -131,8 +132,6 @@ class Scheduler:
         self.on_step: Callable[[int, float], None] | None = None  # (rows, seconds) of each decode step
         self.prefixes = None  # recently prefilled prompts' KV (batched engines): up to a quarter of the budget
         if self.batched and prefix_cache:
-            from laneplay.engine.batch import PrefixCache
-
             self.prefixes = PrefixCache(runtime.prefill_chunk, (self.kv_budget or 2**31) // 4)
         self.running: list[Job] = []
         self.mean_job_s = 1.0  # moving average of job duration, for Retry-After
@@ -286,8 +285,6 @@ class Scheduler:
     def _admit(self, seqs: dict) -> None:
         """Move waiting jobs that fit into the batch, in admission order (called under the lock). The
         head of the line that does not fit waits, and nothing behind it jumps ahead."""
-        from laneplay.engine.batch import Sequence, kv_need
-
         rows = sum(j.params.n for j in self.running)
         kv = sum(s.kv_bytes for s in seqs.values())
         while self._waiting:
@@ -361,8 +358,6 @@ class Scheduler:
         decoding = self._step_rows([(j, s) for j, s in seqs.items() if not s.prefilling and not s.finished])
         if not decoding:
             return
-        from laneplay.engine.batch import decode_step
-
         t0 = time.perf_counter()
         events = decode_step(self.engine.runner, [s for _, s in decoding])
         rows = sum(s.n for _, s in decoding)
