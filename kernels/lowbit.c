@@ -287,12 +287,172 @@ AVX2_FN static void dot_avx2(int fmt, int64_t nb, int64_t row_bytes, const int8_
     ROWS(FMT_Q4, 0);
 #undef ROWS
 }
+
+/* ---- AVX-512 VNNI: several activation rows per pass over the weights ---------------------------
+ * A batched decode step multiplies the same weights with a few activation rows (one per request).
+ * Here a tile of R weight rows meets T activation rows: each block of weights is loaded and unpacked
+ * once for all T rows, and VPDPBUSD forms each 4-byte integer sum in one instruction (AVX2 needs
+ * maddubs, an int16 add and madd). The integer sums are the AVX2 kernel's exactly (no product or
+ * pair saturates there: |code| <= 15 or 127 times |activation| <= 127), and every float operation
+ * is the AVX2 kernel's, in the same order, so a row's result is bit for bit what dot_avx2 gives it,
+ * alone or in a tile of any size. 256-bit vectors (EVEX-encoded, with 32 registers). */
+#define VNNI_FN __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
+#ifndef MAXT
+#define MAXT 4
+#endif
+
+VNNI_FN static inline __attribute__((always_inline)) void
+tile_vnni_t(const int fmt, const int R, const int T, const int hi, int64_t nb, int64_t row_bytes, const int8_t *qs,
+            const uint16_t *wd, const uint16_t *wm, const int8_t *xq, const int8_t *xq2, int64_t xstride,
+            const float *xd, const float *xs, int64_t sstride, float *out) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F), k254 = _mm256_set1_epi32(254), zero = _mm256_setzero_si256();
+    const int64_t ns = SPAD(nb);
+    __m256 acc[MAXT][MAXR], macc[MAXT][MAXR];
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < R; r++) { acc[t][r] = _mm256_setzero_ps(); macc[t][r] = _mm256_setzero_ps(); }
+    for (int64_t g = 0; g < nb; g += 8) {
+        int n8 = nb - g < 8 ? (int)(nb - g) : 8;
+        float sc[MAXT][MAXR][8] __attribute__((aligned(32)));
+        __m256 dv[MAXR], mv[MAXR];
+        for (int r = 0; r < R; r++) {
+            dv[r] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + r * ns + g)));
+            if (fmt == FMT_Q4) mv[r] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + r * ns + g)));
+        }
+        for (int t = 0; t < T; t++) {
+            __m256 xdv = _mm256_loadu_ps(xd + t * sstride + g);
+            for (int r = 0; r < R; r++) {
+                _mm256_store_ps(sc[t][r], _mm256_mul_ps(dv[r], xdv));
+                if (fmt == FMT_Q4) macc[t][r] = _mm256_fmadd_ps(mv[r], _mm256_loadu_ps(xs + t * sstride + g), macc[t][r]);
+            }
+        }
+        if (fmt == FMT_Q4) {  /* two blocks per step (activations in the paired order) */
+            int j = 0;
+            for (; j + 1 < n8; j += 2) {
+                int64_t b = g + j;
+                const __m256i idx = _mm256_setr_epi32(j, j, j, j, j + 1, j + 1, j + 1, j + 1);
+                __m256i lo[MAXR], hn[MAXR];
+                if (PF && (j & 3) == 0)
+                    for (int r = 0; r < R; r++) _mm_prefetch((const char *)(qs + (PFD * R + r) * row_bytes + b * (QK / 2)), _MM_HINT_T0);
+                for (int r = 0; r < R; r++) {
+                    __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + r * row_bytes + b * (QK / 2)));
+                    lo[r] = _mm256_and_si256(raw, low4);
+                    hn[r] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
+                }
+                for (int t = 0; t < T; t++) {
+                    const int8_t *x = xq + t * xstride + b * QK, *x2 = hi ? xq2 + t * xstride + b * QK : x;
+                    __m256i alo = _mm256_loadu_si256((const __m256i *)x), ahi = _mm256_loadu_si256((const __m256i *)(x + QK));
+                    __m256i blo = _mm256_loadu_si256((const __m256i *)x2), bhi = _mm256_loadu_si256((const __m256i *)(x2 + QK));
+                    for (int r = 0; r < R; r++) {
+                        __m256i isum = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(zero, lo[r], alo), hn[r], ahi);
+                        if (hi)
+                            isum = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_mullo_epi32(isum, k254), lo[r], blo),
+                                                       hn[r], bhi);
+                        __m256 scv = _mm256_permutevar8x32_ps(_mm256_load_ps(sc[t][r]), idx);
+                        acc[t][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scv, acc[t][r]);
+                    }
+                }
+            }
+            if (j < n8) {  /* the row's last block, alone (natural order) */
+                int64_t b = g + j;
+                __m256i w[MAXR];
+                for (int r = 0; r < R; r++) {
+                    __m128i raw = _mm_loadu_si128((const __m128i *)(qs + r * row_bytes + b * (QK / 2)));
+                    w[r] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
+                }
+                for (int t = 0; t < T; t++) {
+                    __m256i a = _mm256_loadu_si256((const __m256i *)(xq + t * xstride + b * QK));
+                    __m256i a2 = hi ? _mm256_loadu_si256((const __m256i *)(xq2 + t * xstride + b * QK)) : a;
+                    for (int r = 0; r < R; r++) {
+                        __m256i isum = _mm256_dpbusd_epi32(zero, w[r], a);
+                        if (hi) isum = _mm256_dpbusd_epi32(_mm256_mullo_epi32(isum, k254), w[r], a2);
+                        acc[t][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_broadcast_ss(&sc[t][r][j]), acc[t][r]);
+                    }
+                }
+            }
+            continue;
+        }
+        for (int j = 0; j < n8; j++) {  /* q8: |w| times the activation with w's sign */
+            int64_t b = g + j;
+            __m256i w[MAXR], aw[MAXR];
+            if (PF && (j & 1) == 0)
+                for (int r = 0; r < R; r++) _mm_prefetch((const char *)(qs + (PFD * R + r) * row_bytes + b * QK), _MM_HINT_T0);
+            for (int r = 0; r < R; r++) {
+                w[r] = _mm256_loadu_si256((const __m256i *)(qs + r * row_bytes + b * QK));
+                aw[r] = _mm256_sign_epi8(w[r], w[r]);
+            }
+            for (int t = 0; t < T; t++) {
+                __m256i a = _mm256_loadu_si256((const __m256i *)(xq + t * xstride + b * QK));
+                __m256i a2 = hi ? _mm256_loadu_si256((const __m256i *)(xq2 + t * xstride + b * QK)) : a;
+                for (int r = 0; r < R; r++) {
+                    __m256i isum = _mm256_dpbusd_epi32(zero, aw[r], _mm256_sign_epi8(a, w[r]));
+                    if (hi)
+                        isum = _mm256_dpbusd_epi32(_mm256_mullo_epi32(isum, k254), aw[r], _mm256_sign_epi8(a2, w[r]));
+                    acc[t][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_broadcast_ss(&sc[t][r][j]), acc[t][r]);
+                }
+            }
+        }
+    }
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < R; r++)
+            out[t * MAXR + r] = hsum8(acc[t][r]) + (fmt == FMT_Q4 ? hsum8(macc[t][r]) : 0.0f);
+}
+
+/* out[t * MAXR + r]: weight row r (r < R) with activation row t (t < T) */
+VNNI_FN static void tile_vnni(int fmt, int64_t nb, int64_t row_bytes, const int8_t *qs, const uint16_t *wd,
+                              const uint16_t *wm, int R, int T, const int8_t *xq, const int8_t *xq2, int64_t xstride,
+                              const float *xd, const float *xs, int64_t sstride, float *out) {
+#define TILE_T(F, HI, RR, TT) tile_vnni_t(F, RR, TT, HI, nb, row_bytes, qs, wd, wm, xq, xq2, xstride, xd, xs, sstride, out)
+#define TILE_R(F, HI, TT)                                                                                      \
+    do {                                                                                                       \
+        if (R == MAXR) { TILE_T(F, HI, MAXR, TT); return; }                                                    \
+        for (int r = 0; r < R; r++)                                                                            \
+            tile_vnni_t(F, 1, TT, HI, nb, row_bytes, qs + r * row_bytes, wd + r * SPAD(nb),                    \
+                        F == FMT_Q4 ? wm + r * SPAD(nb) : NULL, xq, xq2, xstride, xd, xs, sstride, out + r);   \
+        return;                                                                                                \
+    } while (0)
+#define TILE_TT(F, HI)                                                                                         \
+    do {                                                                                                       \
+        switch (T) {                                                                                           \
+        case 1: TILE_R(F, HI, 1);                                                                              \
+        case 2: TILE_R(F, HI, 2);                                                                              \
+        case 3: TILE_R(F, HI, 3);                                                                              \
+        default: TILE_R(F, HI, 4);                                                                             \
+        }                                                                                                      \
+    } while (0)
+    if (fmt == FMT_Q8) {
+        if (xq2) TILE_TT(FMT_Q8, 1);
+        TILE_TT(FMT_Q8, 0);
+    }
+    if (xq2) TILE_TT(FMT_Q4, 1);
+    TILE_TT(FMT_Q4, 0);
+#undef TILE_TT
+#undef TILE_R
+#undef TILE_T
+}
 #endif
 
 typedef void (*dot_fn)(int, int64_t, int64_t, const int8_t *, const uint16_t *, const uint16_t *, int,
                        const int8_t *, const int8_t *, const float *, const float *, float *);
 static dot_fn DOT = dot_generic;
 static const char *KERNEL = "generic";
+
+/* A tile: R weight rows with T activation rows (T <= MAXT; rows t at xq + t * xstride, their scales at
+ * xd + t * sstride), out[t * MAXR + r]. The VNNI kernel does a tile in one pass over the weights; the
+ * others do it a row at a time with DOT. */
+#ifndef MAXT
+#define MAXT 4
+#endif
+typedef void (*tile_fn)(int, int64_t, int64_t, const int8_t *, const uint16_t *, const uint16_t *, int, int,
+                        const int8_t *, const int8_t *, int64_t, const float *, const float *, int64_t, float *);
+
+static void tile_rows(int fmt, int64_t nb, int64_t row_bytes, const int8_t *qs, const uint16_t *wd,
+                      const uint16_t *wm, int R, int T, const int8_t *xq, const int8_t *xq2, int64_t xstride,
+                      const float *xd, const float *xs, int64_t sstride, float *out) {
+    for (int t = 0; t < T; t++)
+        DOT(fmt, nb, row_bytes, qs, wd, wm, R, xq + t * xstride, xq2 ? xq2 + t * xstride : NULL, xd + t * sstride,
+            xs + t * sstride, out + t * MAXR);
+}
+static tile_fn TILE = tile_rows;
 static int ACT_BITS = 16;  /* activations: 8 (int8 blocks) or 16 (int8 blocks plus their rounding rest) */
 /* 16-bit activations where a product waits on memory (up to this many rows per lane: decode steps and
  * sampled batches), int8 alone where it is arithmetic-bound (short prompt chunks), where the rest's
@@ -518,16 +678,20 @@ static void linear_team(const packed_t *w, int64_t M, const float *x, float *y, 
                 int64_t t1 = t0 + tile < M ? t0 + tile : M;
                 for (int64_t n = lo * MAXR; n < up * MAXR && n < N; n += MAXR) {
                     int R = (int)(N - n < MAXR ? N - n : MAXR);
-                    for (int64_t i = t0; i < t1; i++) {
+                    for (int64_t i = t0; i < t1; i += MAXT) {
+                        int T = (int)(t1 - i < MAXT ? t1 - i : MAXT);
                         int64_t row = l * M + i;
-                        float out[MAXR];
-                        DOT(fmt, nb, row_bytes, wq + n * row_bytes, ld + n * ns, lm ? lm + n * ns : NULL, R,
-                            a->xq + row * Kp, hi ? a->xq2 + row * Kp : NULL, a->xd + row * ns, a->xs + row * ns,
-                            out);
-                        if (acc)
-                            for (int r = 0; r < R; r++) y[row * N + n + r] += out[r];
-                        else
-                            for (int r = 0; r < R; r++) y[row * N + n + r] = out[r];
+                        float out[MAXT * MAXR];
+                        TILE(fmt, nb, row_bytes, wq + n * row_bytes, ld + n * ns, lm ? lm + n * ns : NULL, R, T,
+                             a->xq + row * Kp, hi ? a->xq2 + row * Kp : NULL, Kp, a->xd + row * ns, a->xs + row * ns,
+                             ns, out);
+                        for (int t = 0; t < T; t++) {
+                            float *yr = y + (row + t) * N + n;
+                            if (acc)
+                                for (int r = 0; r < R; r++) yr[r] += out[t * MAXR + r];
+                            else
+                                for (int r = 0; r < R; r++) yr[r] = out[t * MAXR + r];
+                        }
                     }
                 }
             }
@@ -723,79 +887,137 @@ static attend_cut_t attend_cut(const attend_t *at, int nthreads) {
     return c;
 }
 
-static int attend_wide(const attend_t *at) { return at->N * at->hkv * at->nvis * at->hd >= 8192; }
+static int64_t attend_work(const attend_t *at) { return at->N * at->hkv * at->nvis * at->hd; }
 
-/* Called by each of the nth threads of a team, with scratch of attend_cut(at, nthreads).floats for
- * some nthreads >= nth; returns when `out` is complete. */
-static void attend_team(const attend_t *at, const attend_cut_t *c, float *scratch, int tid, int nth, team_t *team) {
-    const int64_t N = at->N, hq = at->hq, hkv = at->hkv, hd = at->hd, slots = at->slots, nvis = at->nvis;
-    const int64_t rep = hq / hkv, width = (hq + 2 * hkv) * hd, units = N * hkv, parts = c->parts, span = c->span;
-    float *qkv = at->qkv, *part = scratch, *sc = scratch + units * parts * rep * (hd + 2) + span * tid;
-    float scale = 1.0f / sqrtf((float)hd);
-    int fast = DOT != dot_generic && hd % 8 == 0;  /* the AVX2 loops (the kernel choice covers them too) */
-    int nw = attend_wide(at) ? nth : 1;
-    int64_t lo, up;
+/* The scratch floats for G attentions run in one team: each one's partial results, then one row of
+ * scores per thread, as long as the longest stretch. */
+static size_t attend_scratch(const attend_t *ats, const attend_cut_t *cuts, int64_t G, int nthreads) {
+    size_t parts = 0;
+    int64_t span = 0;
+    for (int64_t g = 0; g < G; g++) {
+        parts += cuts[g].floats - (size_t)nthreads * (size_t)cuts[g].span;
+        span = cuts[g].span > span ? cuts[g].span : span;
+    }
+    return parts + (size_t)nthreads * (size_t)span;
+}
+
+/* The part of the global work items [lo, up) that falls in [base, base + n), as local indices. */
+static int clip(int64_t lo, int64_t up, int64_t base, int64_t n, int64_t *a, int64_t *b) {
+    *a = lo > base ? lo - base : 0;
+    *b = up < base + n ? up - base : n;
+    return *a < *b;
+}
+
+/* G attentions (one per group of a batched step, or one alone), each cut as attend_cut(.., nthreads)
+ * cuts it, run by a team in three phases: every group's work items are shared out together, so a step
+ * with many requests meets at three barriers per layer, not three per request. Called by each of the
+ * nth threads (nth <= nthreads), with scratch of attend_scratch(.., nthreads) floats; returns when
+ * every `out` is complete. A group's result does not depend on the others or on the thread count. */
+static void attend_team_n(const attend_t *ats, const attend_cut_t *cuts, int64_t G, int nthreads, float *scratch,
+                          int tid, int nth, team_t *team) {
+    int64_t work = 0, n1 = 0, n2 = 0, n3 = 0, span = 0;
+    for (int64_t g = 0; g < G; g++) {
+        const attend_t *at = ats + g;
+        work += attend_work(at);
+        n1 += at->N * (at->hq + at->hkv);
+        n2 += at->N * at->hkv * cuts[g].parts;
+        n3 += at->N * at->hq;
+        span = cuts[g].span > span ? cuts[g].span : span;
+    }
+    size_t own = 0;
+    for (int64_t g = 0; g < G; g++) own += cuts[g].floats - (size_t)nthreads * (size_t)cuts[g].span;
+    float *sc = scratch + own + span * tid;
+    int fast = DOT != dot_generic;  /* the AVX2 loops (the kernel choice covers them too) */
+    int nw = work >= 8192 ? nth : 1;
+    int64_t lo, up, a, b;
     if (tid < nw) {  /* RoPE on every q and k head; K/V into the slot */
-        share(N * (hq + hkv), tid, nw, &lo, &up);
-        for (int64_t u = lo; u < up; u++) {
-            int64_t n = u / (hq + hkv), h = u % (hq + hkv);
-            float *v = qkv + n * width + h * hd;
-            rope(v, at->cos, at->sin, hd);
-            if (h >= hq) {
-                int64_t kh = h - hq, to = ((n * hkv + kh) * slots + at->slot) * hd;
-                memcpy(at->kc + to, v, sizeof(float) * (size_t)hd);
-                memcpy(at->vc + to, qkv + n * width + (hq + hkv + kh) * hd, sizeof(float) * (size_t)hd);
+        share(n1, tid, nw, &lo, &up);
+        for (int64_t g = 0, base = 0; g < G; base += ats[g].N * (ats[g].hq + ats[g].hkv), g++) {
+            const attend_t *at = ats + g;
+            const int64_t hq = at->hq, hkv = at->hkv, hd = at->hd, width = (hq + 2 * hkv) * hd;
+            if (!clip(lo, up, base, at->N * (hq + hkv), &a, &b)) continue;
+            for (int64_t u = a; u < b; u++) {
+                int64_t n = u / (hq + hkv), h = u % (hq + hkv);
+                float *v = at->qkv + n * width + h * hd;
+                rope(v, at->cos, at->sin, hd);
+                if (h >= hq) {
+                    int64_t kh = h - hq, to = ((n * hkv + kh) * at->slots + at->slot) * hd;
+                    memcpy(at->kc + to, v, sizeof(float) * (size_t)hd);
+                    memcpy(at->vc + to, at->qkv + n * width + (hq + hkv + kh) * hd, sizeof(float) * (size_t)hd);
+                }
             }
         }
     }
     team_sync(team, nth);
     if (tid < nw) {  /* each stretch: its max, its sum of exponentials, its weighted values */
-        share(units * parts, tid, nw, &lo, &up);
-        for (int64_t w = lo; w < up; w++) {
-            int64_t unit = w / parts, p = w % parts, n = unit / hkv, kh = unit % hkv;
-            int64_t t0 = p * span, t1 = t0 + span < nvis ? t0 + span : nvis;
-            const float *K = at->kc + (n * hkv + kh) * slots * hd, *V = at->vc + (n * hkv + kh) * slots * hd;
-            for (int64_t r = 0; r < rep; r++) {
-                const float *q = qkv + n * width + (kh * rep + r) * hd;
-                float *res = part + ((unit * parts + p) * rep + r) * (hd + 2);
-                float mx = -INFINITY, sum = 0.0f;
-                if (t1 > t0) (fast ? SCORES_AVX2 : scores_generic)(q, K + t0 * hd, t1 - t0, hd, scale, sc);
-                for (int64_t t = 0; t < t1 - t0; t++) mx = sc[t] > mx ? sc[t] : mx;
-                if (fast) {
-                    sum = SOFTMAX_EXP_AVX2(sc, t1 - t0, mx);
-                } else {
-                    for (int64_t t = 0; t < t1 - t0; t++) {
-                        sc[t] = expf(sc[t] - mx);
-                        sum += sc[t];
+        share(n2, tid, nw, &lo, &up);
+        float *part = scratch;
+        for (int64_t g = 0, base = 0; g < G; g++) {
+            const attend_t *at = ats + g;
+            const int64_t hq = at->hq, hkv = at->hkv, hd = at->hd, slots = at->slots, nvis = at->nvis;
+            const int64_t rep = hq / hkv, width = (hq + 2 * hkv) * hd, parts = cuts[g].parts, span_g = cuts[g].span;
+            const int64_t items = at->N * hkv * parts;
+            int f = fast && hd % 8 == 0;
+            float scale = 1.0f / sqrtf((float)hd);
+            if (clip(lo, up, base, items, &a, &b)) {
+                for (int64_t w = a; w < b; w++) {
+                    int64_t unit = w / parts, p = w % parts, n = unit / hkv, kh = unit % hkv;
+                    int64_t t0 = p * span_g, t1 = t0 + span_g < nvis ? t0 + span_g : nvis;
+                    const float *K = at->kc + (n * hkv + kh) * slots * hd, *V = at->vc + (n * hkv + kh) * slots * hd;
+                    for (int64_t r = 0; r < rep; r++) {
+                        const float *q = at->qkv + n * width + (kh * rep + r) * hd;
+                        float *res = part + ((unit * parts + p) * rep + r) * (hd + 2);
+                        float mx = -INFINITY, sum = 0.0f;
+                        if (t1 > t0) (f ? SCORES_AVX2 : scores_generic)(q, K + t0 * hd, t1 - t0, hd, scale, sc);
+                        for (int64_t t = 0; t < t1 - t0; t++) mx = sc[t] > mx ? sc[t] : mx;
+                        if (f) {
+                            sum = SOFTMAX_EXP_AVX2(sc, t1 - t0, mx);
+                        } else {
+                            for (int64_t t = 0; t < t1 - t0; t++) {
+                                sc[t] = expf(sc[t] - mx);
+                                sum += sc[t];
+                            }
+                        }
+                        memset(res + 2, 0, sizeof(float) * (size_t)hd);
+                        if (t1 > t0) (f ? VALUES_AVX2 : values_generic)(res + 2, sc, V + t0 * hd, t1 - t0, hd);
+                        res[0] = mx;
+                        res[1] = sum;
                     }
                 }
-                memset(res + 2, 0, sizeof(float) * (size_t)hd);
-                if (t1 > t0) (fast ? VALUES_AVX2 : values_generic)(res + 2, sc, V + t0 * hd, t1 - t0, hd);
-                res[0] = mx;
-                res[1] = sum;
             }
+            base += items;
+            part += items * rep * (hd + 2);
         }
     }
     team_sync(team, nth);
     if (tid < nw) {  /* merge the stretches of each query head */
-        share(units * rep, tid, nw, &lo, &up);
-        for (int64_t u = lo; u < up; u++) {
-            int64_t unit = u / rep, r = u % rep, n = unit / hkv, kh = unit % hkv;
-            float mx = -INFINITY, sum = 0.0f;
-            for (int64_t p = 0; p < parts; p++) {
-                const float *res = part + ((unit * parts + p) * rep + r) * (hd + 2);
-                if (res[1] > 0.0f && res[0] > mx) mx = res[0];
+        share(n3, tid, nw, &lo, &up);
+        const float *part = scratch;
+        for (int64_t g = 0, base = 0; g < G; g++) {
+            const attend_t *at = ats + g;
+            const int64_t hq = at->hq, hkv = at->hkv, hd = at->hd, rep = hq / hkv, parts = cuts[g].parts;
+            if (clip(lo, up, base, at->N * hq, &a, &b)) {
+                for (int64_t u = a; u < b; u++) {
+                    int64_t unit = u / rep, r = u % rep, n = unit / hkv, kh = unit % hkv;
+                    float mx = -INFINITY, sum = 0.0f;
+                    for (int64_t p = 0; p < parts; p++) {
+                        const float *res = part + ((unit * parts + p) * rep + r) * (hd + 2);
+                        if (res[1] > 0.0f && res[0] > mx) mx = res[0];
+                    }
+                    float *o = at->out + n * hq * hd + (kh * rep + r) * hd;
+                    memset(o, 0, sizeof(float) * (size_t)hd);
+                    for (int64_t p = 0; p < parts; p++) {
+                        const float *res = part + ((unit * parts + p) * rep + r) * (hd + 2);
+                        if (res[1] <= 0.0f) continue;
+                        float wgt = expf(res[0] - mx);
+                        sum += wgt * res[1];
+                        axpy_f32(o, wgt, res + 2, hd);
+                    }
+                    for (int64_t j = 0; j < hd; j++) o[j] /= sum;
+                }
             }
-            float *o = at->out + n * hq * hd + (kh * rep + r) * hd;
-            memset(o, 0, sizeof(float) * (size_t)hd);
-            for (int64_t p = 0; p < parts; p++) {
-                const float *res = part + ((unit * parts + p) * rep + r) * (hd + 2);
-                if (res[1] <= 0.0f) continue;
-                float wgt = expf(res[0] - mx);
-                sum += wgt * res[1];
-                axpy_f32(o, wgt, res + 2, hd);
-            }
-            for (int64_t j = 0; j < hd; j++) o[j] /= sum;
+            base += at->N * hq;
+            part += at->N * hkv * parts * rep * (hd + 2);
         }
     }
     team_sync(team, nth);
@@ -821,8 +1043,8 @@ static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nar
     if (!scratch) return PyErr_NoMemory();
     team_t team = {0, 0};
     Py_BEGIN_ALLOW_THREADS
-#pragma omp parallel num_threads(attend_wide(&at) ? nthreads : 1)
-    attend_team(&at, &cut, scratch, omp_get_thread_num(), omp_get_num_threads(), &team);
+#pragma omp parallel num_threads(attend_work(&at) >= 8192 ? nthreads : 1)
+    attend_team_n(&at, &cut, 1, nthreads, scratch, omp_get_thread_num(), omp_get_num_threads(), &team);
     Py_END_ALLOW_THREADS
     free(scratch);
     Py_RETURN_NONE;
@@ -955,11 +1177,16 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     int nthreads = omp_get_max_threads();
     int64_t qkv_w = 0, o_w = 0, u_w = 0;
     size_t act = act_bytes(&head, B, PRE_RMSNORM, nthreads, NULL), att = 0;
+    /* every layer's attentions, per group, and how they are cut (filled in once the widths are known) */
+    attend_t *ats = (attend_t *)malloc((sizeof(attend_t) + sizeof(attend_cut_t)) * (size_t)(layers * G));
+    if (!ats) return PyErr_NoMemory();
+    attend_cut_t *cuts = (attend_cut_t *)(ats + layers * G);
     for (int64_t i = 0; i < layers; i++) {
         const int64_t *p = plan + i * PLAN;
         if (p[PL_WQKV + 2] != (hq + 2 * hkv) * hd || p[PL_WO + 3] != hq * hd || p[PL_W2 + 3] * 2 != p[PL_W13 + 2]
             || p[PL_WQKV + 1] != 1 || p[PL_WO + 1] != 1 || p[PL_W13 + 1] != 1 || p[PL_W2 + 1] != 1) {
             PyErr_Format(PyExc_ValueError, "step: layer %lld does not fit the plan", (long long)i);
+            free(ats);
             return NULL;
         }
         for (int64_t g = 0; g < G; g++) {
@@ -968,9 +1195,9 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             if (!attend_args_ok(hq, hkv, at.slots, at.slot, at.nvis)) {
                 PyErr_Format(PyExc_ValueError, "step: layer %lld of group %lld does not fit the plan", (long long)i,
                              (long long)g);
+                free(ats);
                 return NULL;
             }
-            att = max_size(att, attend_cut(&at, nthreads).floats);
         }
         qkv_w = p[PL_WQKV + 2] > qkv_w ? p[PL_WQKV + 2] : qkv_w;
         o_w = p[PL_WO + 3] > o_w ? p[PL_WO + 3] : o_w;
@@ -982,10 +1209,26 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         act = max_size(act, act_bytes(&w13, B, PRE_RMSNORM, nthreads, NULL));
         act = max_size(act, act_bytes(&w2, B, PRE_SWIGLU, nthreads, NULL));
     }
+    for (int64_t i = 0; i < layers; i++) {
+        attend_t *at = ats + i * G;
+        for (int64_t g = 0; g < G; g++) {
+            at[g] = group_attention(groups + g * GROUP, i, hq, hkv, hd, NULL, NULL);
+            cuts[i * G + g] = attend_cut(at + g, nthreads);
+        }
+        att = max_size(att, attend_scratch(at, cuts + i * G, G, nthreads));
+    }
     size_t fbytes = sizeof(float) * (size_t)(B * (qkv_w + o_w + u_w) + att);
     int8_t *buf = (int8_t *)aligned_alloc(64, (act + fbytes + 63) / 64 * 64);
-    if (!buf) return PyErr_NoMemory();
+    if (!buf) {
+        free(ats);
+        return PyErr_NoMemory();
+    }
     float *qkv = (float *)(buf + act), *o = qkv + B * qkv_w, *u = o + B * o_w, *scratch = u + B * u_w;
+    for (int64_t i = 0; i < layers; i++)
+        for (int64_t g = 0, r0 = 0; g < G; r0 += groups[g * GROUP + GR_ROWS], g++) {
+            ats[i * G + g].qkv = qkv + r0 * qkv_w;
+            ats[i * G + g].out = o + r0 * o_w;
+        }
     float e = (float)eps;
     team_t team = {0, 0};
     int rung = ladder_pick(B, layers, nthreads);
@@ -1003,11 +1246,7 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             act_t au = act_at(buf, &w13, B, PRE_RMSNORM, nthreads), ad = act_at(buf, &w2, B, PRE_SWIGLU, nthreads);
             linear_team(&wqkv, B, h, qkv, PRE_RMSNORM, (const float *)(intptr_t)p[PL_ANORM], 0, e, 0, &aq, tid, nth,
                         &team);
-            for (int64_t g = 0, r0 = 0; g < G; r0 += groups[g * GROUP + GR_ROWS], g++) {
-                attend_t at = group_attention(groups + g * GROUP, i, hq, hkv, hd, qkv + r0 * qkv_w, o + r0 * o_w);
-                attend_cut_t cut = attend_cut(&at, nthreads);
-                attend_team(&at, &cut, scratch, tid, nth, &team);
-            }
+            attend_team_n(ats + i * G, cuts + i * G, G, nthreads, scratch, tid, nth, &team);
             linear_team(&wo, B, o, h, PRE_NONE, NULL, 0, e, 1, &ao, tid, nth, &team);
             linear_team(&w13, B, h, u, PRE_RMSNORM, (const float *)(intptr_t)p[PL_FNORM], 0, e, 0, &au, tid, nth,
                         &team);
@@ -1019,10 +1258,26 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     Py_END_ALLOW_THREADS
     ladder_record(rung, now_ms() - t0);
     free(buf);
+    free(ats);
     Py_RETURN_NONE;
 }
 
 static PyObject *py_kernel(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(KERNEL); }
+
+#ifdef LP_X86
+static int has_vnni(void);
+#endif
+
+/* kernels(): the kernels this CPU can run, the one chosen at import last */
+static PyObject *py_kernels(PyObject *self, PyObject *noargs) {
+#ifdef LP_X86
+    __builtin_cpu_init();
+    int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    if (has_vnni()) return Py_BuildValue("(sss)", "generic", "avx2", "vnni");
+    if (avx2) return Py_BuildValue("(ss)", "generic", "avx2");
+#endif
+    return Py_BuildValue("(s)", "generic");
+}
 
 /* step_threads(n): n >= 1 pins the threads a step runs on, 0 lets the ladder choose; returns the
  * count the next step would run on (-1 pins nothing and changes nothing). */
@@ -1051,11 +1306,20 @@ static PyObject *py_activation_bits(PyObject *self, PyObject *arg) {
     return PyLong_FromLong(before);
 }
 
-/* use(name): pick the dot kernel ("avx2" or "generic"; the tests compare them) */
+#ifdef LP_X86
+static int has_vnni(void) {  /* __builtin_cpu_supports also checks that the OS keeps the AVX-512 state */
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")
+           && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl")
+           && __builtin_cpu_supports("avx512vnni");
+}
+#endif
+
+/* use(name): pick the dot kernel ("vnni", "avx2" or "generic"; the tests compare them) */
 static PyObject *py_use(PyObject *self, PyObject *arg) {
     const char *name = PyUnicode_AsUTF8(arg);
     if (!name) return NULL;
-    if (strcmp(name, "generic") == 0) { DOT = dot_generic; KERNEL = "generic"; Py_RETURN_NONE; }
+    if (strcmp(name, "generic") == 0) { DOT = dot_generic; TILE = tile_rows; KERNEL = "generic"; Py_RETURN_NONE; }
 #ifdef LP_X86
     if (strcmp(name, "avx2") == 0) {
         __builtin_cpu_init();
@@ -1063,7 +1327,14 @@ static PyObject *py_use(PyObject *self, PyObject *arg) {
             PyErr_SetString(PyExc_RuntimeError, "this CPU lacks AVX2/FMA/F16C");
             return NULL;
         }
-        DOT = dot_avx2; KERNEL = "avx2"; Py_RETURN_NONE;
+        DOT = dot_avx2; TILE = tile_rows; KERNEL = "avx2"; Py_RETURN_NONE;
+    }
+    if (strcmp(name, "vnni") == 0) {
+        if (!has_vnni()) {
+            PyErr_SetString(PyExc_RuntimeError, "this CPU lacks AVX-512 VNNI (with AVX-512VL, AVX2, FMA, F16C)");
+            return NULL;
+        }
+        DOT = dot_avx2; TILE = tile_vnni; KERNEL = "vnni"; Py_RETURN_NONE;
     }
 #endif
     PyErr_Format(PyExc_ValueError, "unknown or unavailable kernel %s", name);
@@ -1082,7 +1353,8 @@ static PyMethodDef METHODS[] = {
     {"kernel", py_kernel, METH_NOARGS, "the dot-product kernel in use"},
     {"step_threads", py_step_threads, METH_O, "step_threads(n): pin (n >= 1) or free (0) a step's threads"},
     {"activation_bits", py_activation_bits, METH_O, "activation_bits(8 | 16 | 0) -> the previous setting"},
-    {"use", py_use, METH_O, "use('avx2' | 'generic')"},
+    {"kernels", py_kernels, METH_NOARGS, "kernels(): the kernels this CPU can run"},
+    {"use", py_use, METH_O, "use('vnni' | 'avx2' | 'generic')"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1094,6 +1366,10 @@ PyMODINIT_FUNC PyInit__lowbit(void) {
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
         DOT = dot_avx2;
         KERNEL = "avx2";
+    }
+    if (has_vnni()) {
+        TILE = tile_vnni;
+        KERNEL = "vnni";
     }
 #endif
     return PyModule_Create(&MODULE);

@@ -6,7 +6,9 @@ weight), or 4-bit codes with an fp16 scale and minimum per block (`int4`, 0.56 b
 layout of GGUF's Q4_1, as int8 is Q8_0's). The products run in the `_lowbit` C extension (built by
 the normal install): activations are quantized per call to int8 blocks of 32, with a second int8 code
 for each value's rounding rest (16-bit activations, see `activation_bits`), each block's integer dot
-products are scaled once, so a decode step streams the packed bytes and nothing else. Long products
+products are scaled once, so a decode step streams the packed bytes and nothing else. Where the CPU
+has AVX-512 VNNI, the rows of a batched decode step (one per request) are taken in tiles that share
+each pass over the weights, bit for bit the AVX2 kernel's results. Long products
 (prompt chunks of `gemm_min_rows` tokens or more) unpack the weight in C and run one float GEMM instead.
 
 `PackedWeight.dequantize()` is the reference: the same packed codes unpacked in plain torch.
@@ -46,9 +48,17 @@ def require() -> None:
 
 
 def kernel_name() -> str:
-    """Which dot-product kernel runs: 'avx2' or 'generic' (portable C)."""
+    """Which dot-product kernel runs: 'vnni' (AVX-512 VNNI: a batched step's rows share each pass over
+    the weights), 'avx2', or 'generic' (portable C). The import picks the best one this CPU has (cpuid);
+    'vnni' and 'avx2' give bit-identical results."""
     require()
     return _lowbit.kernel()
+
+
+def kernels() -> tuple[str, ...]:
+    """The kernels this CPU can run (the last is the one chosen at import)."""
+    require()
+    return _lowbit.kernels()
 
 
 def use_kernel(name: str) -> None:

@@ -14,7 +14,7 @@ from laneplay.kernels import lowbit
 
 pytestmark = pytest.mark.skipif(not lowbit.available(), reason="the _lowbit extension is not built")
 
-KERNELS = ["generic"] + (["avx2"] if lowbit.available() and lowbit.kernel_name() == "avx2" else [])
+KERNELS = list(lowbit.kernels()) if lowbit.available() else ["generic"]  # what this CPU can run (cpuid)
 
 
 @pytest.fixture(params=KERNELS)
@@ -103,7 +103,7 @@ def test_linear_matches_the_unpacked_weight(kernel, bits, fmt, m, n, k):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-@pytest.mark.parametrize("m,n,k", [(2, 8, 64), (3, 10, 96), (5, 33, 200), (16, 12, 576), (4, 4, 32)])
+@pytest.mark.parametrize("m,n,k", [(2, 8, 64), (3, 10, 96), (5, 33, 200), (16, 12, 576), (4, 4, 32), (11, 7, 70)])
 def test_a_row_in_a_batch_gets_exactly_what_it_gets_alone(kernel, bits, fmt, m, n, k):
     """Each row of a product (a sample of a batch) gets bit for bit what it gets alone, plain or with the
     fused RMSNorm or SwiGLU, in a lane weight too: a sample's tokens do not depend on its batch."""
@@ -144,6 +144,33 @@ def test_avx2_and_generic_kernels_agree(bits, fmt):
         lowbit.use_kernel(before)
     # the same integer sums; only the float accumulation order differs
     assert torch.allclose(a, b, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("m,n,k", [(1, 45, 200), (3, 8, 64), (4, 12, 576), (8, 33, 1536), (13, 7, 70), (16, 5, 32)])
+def test_vnni_and_avx2_kernels_agree_bit_for_bit(bits, fmt, m, n, k):
+    """The VNNI tiles form the AVX2 kernel's integer sums and do its float operations in its order, so
+    a machine's results do not depend on which of the two cpuid picked, for any number of rows."""
+    if "vnni" not in KERNELS:
+        pytest.skip("this CPU has no AVX-512 VNNI: the AVX2 kernel runs (its own tests cover it)")
+    torch.manual_seed(5)
+    p = lowbit.pack(torch.randn(2, n, k), fmt)
+    x, g, u = torch.randn(2, m, k) * 3, torch.rand(k) + 0.5, torch.randn(2, m, 2 * k)
+    before = lowbit.kernel_name()
+    out = {}
+    try:
+        for name in ("avx2", "vnni"):
+            lowbit.use_kernel(name)
+            out[name] = (p.linear(x), p.linear(x, norm=g, eps=1e-5), p.linear(u, swiglu=True))
+    finally:
+        lowbit.use_kernel(before)
+    for a, b in zip(out["avx2"], out["vnni"]):
+        assert torch.equal(a, b)
+
+
+def test_the_import_picks_the_best_kernel_the_cpu_has():
+    assert lowbit.kernels()[0] == "generic"
+    assert lowbit.kernel_name() == lowbit.kernels()[-1]
 
 
 def _rms(x, g, eps):
