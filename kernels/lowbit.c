@@ -290,63 +290,54 @@ AVX2_FN static void dot_avx2(int fmt, int64_t nb, int64_t row_bytes, const int8_
 
 /* ---- AVX-512 VNNI: several activation rows per pass over the weights ---------------------------
  * A batched decode step multiplies the same weights with a few activation rows (one per request).
- * Here a tile of R weight rows meets T activation rows: each block of weights is loaded and unpacked
- * once for all T rows, and VPDPBUSD forms each 4-byte integer sum in one instruction (AVX2 needs
- * maddubs, an int16 add and madd). The integer sums are the AVX2 kernel's exactly (no product or
- * pair saturates there: |code| <= 15 or 127 times |activation| <= 127), and every float operation
- * is the AVX2 kernel's, in the same order, so a row's result is bit for bit what dot_avx2 gives it,
- * alone or in a tile of any size. 256-bit vectors (EVEX-encoded, with 32 registers). */
+ * Here a tile of R weight rows meets T activation rows. Each activation row comes as 16-bit values
+ * x16 = 254 q + q2 (its int8 code and rounding rest, see quantize_act), laid out per 32 values as their
+ * 16 even-indexed values then their 16 odd ones (widen16), and the weight codes are widened to int16
+ * pairs to match, once per tile. VPMADDWD + VPDPWSSD then give each 32-bit lane the same 4 (q8) or 8
+ * (q4) products the AVX2 kernel's lane sums, as one integer: 254 sum(w q) + sum(w q2) exactly (no
+ * product or sum overflows: |w| <= 127, |x16| <= 32385). From there every float operation is the AVX2
+ * kernel's, in its order, so a row's result is bit for bit what dot_avx2 gives it, alone or in a tile
+ * of any size. Half the integer instructions of the AVX2 kernel per row; 256-bit vectors, EVEX-encoded
+ * (32 registers). */
 #define VNNI_FN __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
 #ifndef MAXT
 #define MAXT 4
 #endif
 
 VNNI_FN static inline __attribute__((always_inline)) void
-tile_vnni_t(const int fmt, const int R, const int T, const int hi, int64_t nb, int64_t row_bytes, const int8_t *qs,
-            const uint16_t *wd, const uint16_t *wm, const int8_t *xq, const int8_t *xq2, int64_t xstride,
-            const float *xd, const float *xs, int64_t sstride, float *out) {
-    const __m256i low4 = _mm256_set1_epi8(0x0F), k254 = _mm256_set1_epi32(254), zero = _mm256_setzero_si256();
+tile16_t(const int fmt, const int R, const int T, int64_t nb, int64_t row_bytes, const int8_t *qs,
+         const uint16_t *wd, const uint16_t *wm, const int16_t *x16, int64_t xstride, const float *xd,
+         const float *xs, int64_t sstride, float *out) {
+    const __m256i nib2 = _mm256_set1_epi32(0x000F000F), byte2 = _mm256_set1_epi16(0x00FF), low4 = _mm256_set1_epi8(0x0F);
     const int64_t ns = SPAD(nb);
-    __m256 acc[MAXT][MAXR], macc[MAXT][MAXR];
+    __m256 acc[MAXT][MAXR];
     for (int t = 0; t < T; t++)
-        for (int r = 0; r < R; r++) { acc[t][r] = _mm256_setzero_ps(); macc[t][r] = _mm256_setzero_ps(); }
+        for (int r = 0; r < R; r++) acc[t][r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < nb; g += 8) {
         int n8 = nb - g < 8 ? (int)(nb - g) : 8;
         float sc[MAXT][MAXR][8] __attribute__((aligned(32)));
-        __m256 dv[MAXR], mv[MAXR];
         for (int r = 0; r < R; r++) {
-            dv[r] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + r * ns + g)));
-            if (fmt == FMT_Q4) mv[r] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + r * ns + g)));
-        }
-        for (int t = 0; t < T; t++) {
-            __m256 xdv = _mm256_loadu_ps(xd + t * sstride + g);
-            for (int r = 0; r < R; r++) {
-                _mm256_store_ps(sc[t][r], _mm256_mul_ps(dv[r], xdv));
-                if (fmt == FMT_Q4) macc[t][r] = _mm256_fmadd_ps(mv[r], _mm256_loadu_ps(xs + t * sstride + g), macc[t][r]);
-            }
+            __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + r * ns + g)));
+            for (int t = 0; t < T; t++) _mm256_store_ps(sc[t][r], _mm256_mul_ps(dv, _mm256_loadu_ps(xd + t * sstride + g)));
         }
         if (fmt == FMT_Q4) {  /* two blocks per step (activations in the paired order) */
             int j = 0;
             for (; j + 1 < n8; j += 2) {
                 int64_t b = g + j;
                 const __m256i idx = _mm256_setr_epi32(j, j, j, j, j + 1, j + 1, j + 1, j + 1);
-                __m256i lo[MAXR], hn[MAXR];
                 if (PF && (j & 3) == 0)
                     for (int r = 0; r < R; r++) _mm_prefetch((const char *)(qs + (PFD * R + r) * row_bytes + b * (QK / 2)), _MM_HINT_T0);
                 for (int r = 0; r < R; r++) {
                     __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + r * row_bytes + b * (QK / 2)));
-                    lo[r] = _mm256_and_si256(raw, low4);
-                    hn[r] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low4);
-                }
-                for (int t = 0; t < T; t++) {
-                    const int8_t *x = xq + t * xstride + b * QK, *x2 = hi ? xq2 + t * xstride + b * QK : x;
-                    __m256i alo = _mm256_loadu_si256((const __m256i *)x), ahi = _mm256_loadu_si256((const __m256i *)(x + QK));
-                    __m256i blo = _mm256_loadu_si256((const __m256i *)x2), bhi = _mm256_loadu_si256((const __m256i *)(x2 + QK));
-                    for (int r = 0; r < R; r++) {
-                        __m256i isum = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(zero, lo[r], alo), hn[r], ahi);
-                        if (hi)
-                            isum = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_mullo_epi32(isum, k254), lo[r], blo),
-                                                       hn[r], bhi);
+                    __m256i w1 = _mm256_and_si256(raw, nib2), w2 = _mm256_and_si256(_mm256_srli_epi32(raw, 8), nib2);
+                    __m256i w3 = _mm256_and_si256(_mm256_srli_epi32(raw, 4), nib2);
+                    __m256i w4 = _mm256_and_si256(_mm256_srli_epi32(raw, 12), nib2);
+                    for (int t = 0; t < T; t++) {
+                        const __m256i *a = (const __m256i *)(x16 + t * xstride + b * QK);
+                        __m256i isum = _mm256_madd_epi16(w1, _mm256_loadu_si256(a));
+                        isum = _mm256_dpwssd_epi32(isum, w2, _mm256_loadu_si256(a + 1));
+                        isum = _mm256_dpwssd_epi32(isum, w3, _mm256_loadu_si256(a + 2));
+                        isum = _mm256_dpwssd_epi32(isum, w4, _mm256_loadu_si256(a + 3));
                         __m256 scv = _mm256_permutevar8x32_ps(_mm256_load_ps(sc[t][r]), idx);
                         acc[t][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scv, acc[t][r]);
                     }
@@ -354,80 +345,74 @@ tile_vnni_t(const int fmt, const int R, const int T, const int hi, int64_t nb, i
             }
             if (j < n8) {  /* the row's last block, alone (natural order) */
                 int64_t b = g + j;
-                __m256i w[MAXR];
                 for (int r = 0; r < R; r++) {
                     __m128i raw = _mm_loadu_si128((const __m128i *)(qs + r * row_bytes + b * (QK / 2)));
-                    w[r] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
-                }
-                for (int t = 0; t < T; t++) {
-                    __m256i a = _mm256_loadu_si256((const __m256i *)(xq + t * xstride + b * QK));
-                    __m256i a2 = hi ? _mm256_loadu_si256((const __m256i *)(xq2 + t * xstride + b * QK)) : a;
-                    for (int r = 0; r < R; r++) {
-                        __m256i isum = _mm256_dpbusd_epi32(zero, w[r], a);
-                        if (hi) isum = _mm256_dpbusd_epi32(_mm256_mullo_epi32(isum, k254), w[r], a2);
+                    __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
+                    __m256i w1 = _mm256_and_si256(w, byte2), w2 = _mm256_srli_epi16(w, 8);
+                    for (int t = 0; t < T; t++) {
+                        const __m256i *a = (const __m256i *)(x16 + t * xstride + b * QK);
+                        __m256i isum = _mm256_dpwssd_epi32(_mm256_madd_epi16(w1, _mm256_loadu_si256(a)), w2,
+                                                           _mm256_loadu_si256(a + 1));
                         acc[t][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_broadcast_ss(&sc[t][r][j]), acc[t][r]);
                     }
                 }
             }
             continue;
         }
-        for (int j = 0; j < n8; j++) {  /* q8: |w| times the activation with w's sign */
+        for (int j = 0; j < n8; j++) {  /* q8: the codes' even and odd bytes, sign-extended */
             int64_t b = g + j;
-            __m256i w[MAXR], aw[MAXR];
             if (PF && (j & 1) == 0)
                 for (int r = 0; r < R; r++) _mm_prefetch((const char *)(qs + (PFD * R + r) * row_bytes + b * QK), _MM_HINT_T0);
             for (int r = 0; r < R; r++) {
-                w[r] = _mm256_loadu_si256((const __m256i *)(qs + r * row_bytes + b * QK));
-                aw[r] = _mm256_sign_epi8(w[r], w[r]);
-            }
-            for (int t = 0; t < T; t++) {
-                __m256i a = _mm256_loadu_si256((const __m256i *)(xq + t * xstride + b * QK));
-                __m256i a2 = hi ? _mm256_loadu_si256((const __m256i *)(xq2 + t * xstride + b * QK)) : a;
-                for (int r = 0; r < R; r++) {
-                    __m256i isum = _mm256_dpbusd_epi32(zero, aw[r], _mm256_sign_epi8(a, w[r]));
-                    if (hi)
-                        isum = _mm256_dpbusd_epi32(_mm256_mullo_epi32(isum, k254), aw[r], _mm256_sign_epi8(a2, w[r]));
+                __m256i w = _mm256_loadu_si256((const __m256i *)(qs + r * row_bytes + b * QK));
+                __m256i we = _mm256_srai_epi16(_mm256_slli_epi16(w, 8), 8), wo = _mm256_srai_epi16(w, 8);
+                for (int t = 0; t < T; t++) {
+                    const __m256i *a = (const __m256i *)(x16 + t * xstride + b * QK);
+                    __m256i isum = _mm256_dpwssd_epi32(_mm256_madd_epi16(we, _mm256_loadu_si256(a)), wo,
+                                                       _mm256_loadu_si256(a + 1));
                     acc[t][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_broadcast_ss(&sc[t][r][j]), acc[t][r]);
                 }
             }
         }
     }
     for (int t = 0; t < T; t++)
-        for (int r = 0; r < R; r++)
-            out[t * MAXR + r] = hsum8(acc[t][r]) + (fmt == FMT_Q4 ? hsum8(macc[t][r]) : 0.0f);
+        for (int r = 0; r < R; r++) {
+            __m256 macc = _mm256_setzero_ps();  /* q4's minimum: its own pass, in the AVX2 kernel's order */
+            for (int64_t g = 0; fmt == FMT_Q4 && g < nb; g += 8)
+                macc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + r * ns + g))),
+                                       _mm256_loadu_ps(xs + t * sstride + g), macc);
+            out[t * MAXR + r] = hsum8(acc[t][r]) + (fmt == FMT_Q4 ? hsum8(macc) : 0.0f);
+        }
 }
 
 /* out[t * MAXR + r]: weight row r (r < R) with activation row t (t < T) */
-VNNI_FN static void tile_vnni(int fmt, int64_t nb, int64_t row_bytes, const int8_t *qs, const uint16_t *wd,
-                              const uint16_t *wm, int R, int T, const int8_t *xq, const int8_t *xq2, int64_t xstride,
-                              const float *xd, const float *xs, int64_t sstride, float *out) {
-#define TILE_T(F, HI, RR, TT) tile_vnni_t(F, RR, TT, HI, nb, row_bytes, qs, wd, wm, xq, xq2, xstride, xd, xs, sstride, out)
-#define TILE_R(F, HI, TT)                                                                                      \
+VNNI_FN static void tile16_vnni(int fmt, int64_t nb, int64_t row_bytes, const int8_t *qs, const uint16_t *wd,
+                                const uint16_t *wm, int R, int T, const int16_t *x16, int64_t xstride, const float *xd,
+                                const float *xs, int64_t sstride, float *out) {
+#define TILE_R(F, TT)                                                                                          \
     do {                                                                                                       \
-        if (R == MAXR) { TILE_T(F, HI, MAXR, TT); return; }                                                    \
+        if (R == MAXR) {                                                                                       \
+            tile16_t(F, MAXR, TT, nb, row_bytes, qs, wd, wm, x16, xstride, xd, xs, sstride, out);              \
+            return;                                                                                            \
+        }                                                                                                      \
         for (int r = 0; r < R; r++)                                                                            \
-            tile_vnni_t(F, 1, TT, HI, nb, row_bytes, qs + r * row_bytes, wd + r * SPAD(nb),                    \
-                        F == FMT_Q4 ? wm + r * SPAD(nb) : NULL, xq, xq2, xstride, xd, xs, sstride, out + r);   \
+            tile16_t(F, 1, TT, nb, row_bytes, qs + r * row_bytes, wd + r * SPAD(nb),                           \
+                     F == FMT_Q4 ? wm + r * SPAD(nb) : NULL, x16, xstride, xd, xs, sstride, out + r);          \
         return;                                                                                                \
     } while (0)
-#define TILE_TT(F, HI)                                                                                         \
+#define TILE_TT(F)                                                                                             \
     do {                                                                                                       \
         switch (T) {                                                                                           \
-        case 1: TILE_R(F, HI, 1);                                                                              \
-        case 2: TILE_R(F, HI, 2);                                                                              \
-        case 3: TILE_R(F, HI, 3);                                                                              \
-        default: TILE_R(F, HI, 4);                                                                             \
+        case 1: TILE_R(F, 1);                                                                                  \
+        case 2: TILE_R(F, MAXT >= 2 ? 2 : 1);                                                                  \
+        case 3: TILE_R(F, MAXT >= 3 ? 3 : 1);                                                                  \
+        default: TILE_R(F, MAXT);                                                                              \
         }                                                                                                      \
     } while (0)
-    if (fmt == FMT_Q8) {
-        if (xq2) TILE_TT(FMT_Q8, 1);
-        TILE_TT(FMT_Q8, 0);
-    }
-    if (xq2) TILE_TT(FMT_Q4, 1);
-    TILE_TT(FMT_Q4, 0);
+    if (fmt == FMT_Q8) TILE_TT(FMT_Q8);
+    TILE_TT(FMT_Q4);
 #undef TILE_TT
 #undef TILE_R
-#undef TILE_T
 }
 #endif
 
@@ -437,13 +422,14 @@ static dot_fn DOT = dot_generic;
 static const char *KERNEL = "generic";
 
 /* A tile: R weight rows with T activation rows (T <= MAXT; rows t at xq + t * xstride, their scales at
- * xd + t * sstride), out[t * MAXR + r]. The VNNI kernel does a tile in one pass over the weights; the
- * others do it a row at a time with DOT. */
+ * xd + t * sstride), out[t * MAXR + r]: a row at a time with DOT, or (TILE16, the VNNI kernel, for
+ * 16-bit activations) in one pass over the weights from the rows' widened values. */
 #ifndef MAXT
 #define MAXT 4
 #endif
-typedef void (*tile_fn)(int, int64_t, int64_t, const int8_t *, const uint16_t *, const uint16_t *, int, int,
-                        const int8_t *, const int8_t *, int64_t, const float *, const float *, int64_t, float *);
+typedef void (*tile16_fn)(int, int64_t, int64_t, const int8_t *, const uint16_t *, const uint16_t *, int, int,
+                          const int16_t *, int64_t, const float *, const float *, int64_t, float *);
+static tile16_fn TILE16 = NULL;
 
 static void tile_rows(int fmt, int64_t nb, int64_t row_bytes, const int8_t *qs, const uint16_t *wd,
                       const uint16_t *wm, int R, int T, const int8_t *xq, const int8_t *xq2, int64_t xstride,
@@ -452,7 +438,6 @@ static void tile_rows(int fmt, int64_t nb, int64_t row_bytes, const int8_t *qs, 
         DOT(fmt, nb, row_bytes, qs, wd, wm, R, xq + t * xstride, xq2 ? xq2 + t * xstride : NULL, xd + t * sstride,
             xs + t * sstride, out + t * MAXR);
 }
-static tile_fn TILE = tile_rows;
 static int ACT_BITS = 16;  /* activations: 8 (int8 blocks) or 16 (int8 blocks plus their rounding rest) */
 /* 16-bit activations where a product waits on memory (up to this many rows per lane: decode steps and
  * sampled batches), int8 alone where it is arithmetic-bound (short prompt chunks), where the rest's
@@ -615,6 +600,7 @@ static packed_t packed_from(const int64_t *a) {  /* fmt, L, N, K, Kp, qs, d, m *
 typedef struct {
     int8_t *xq, *xq2;
     float *xd, *xs, *tmp;
+    int16_t *x16;  /* 16-bit activations, widened for TILE16 */
 } act_t;
 
 static int act_hi(int64_t M) { return ACT_BITS == 16 && M <= ACT16_MAX_ROWS; }
@@ -624,7 +610,7 @@ static size_t act_bytes(const packed_t *w, int64_t M, int pre, int nthreads, siz
     size_t q = (size_t)(rows * w->Kp + 63) / 64 * 64, s = 2 * sizeof(float) * (size_t)(rows * ns);
     size_t t = pre != PRE_NONE ? sizeof(float) * (size_t)(w->K * nthreads) : 0;
     if (q_bytes) *q_bytes = q;
-    return ((1 + act_hi(M)) * q + s + t + 63) / 64 * 64;
+    return ((1 + act_hi(M)) * q + s + t + 63) / 64 * 64 + (act_hi(M) ? 2 * q : 0);
 }
 
 static act_t act_at(int8_t *base, const packed_t *w, int64_t M, int pre, int nthreads) {
@@ -632,10 +618,21 @@ static act_t act_at(int8_t *base, const packed_t *w, int64_t M, int pre, int nth
     act_bytes(w, M, pre, nthreads, &q);
     int hi = act_hi(M);
     int64_t rows = w->L * M, ns = SPAD(w->Kp / QK);
-    act_t a = {base, hi ? base + q : NULL, (float *)(base + (1 + hi) * q), NULL, NULL};
+    act_t a = {base, hi ? base + q : NULL, (float *)(base + (1 + hi) * q), NULL, NULL, NULL};
     a.xs = a.xd + rows * ns;
     a.tmp = a.xs + rows * ns;
+    if (hi) a.x16 = (int16_t *)(base + (act_bytes(w, M, pre, nthreads, NULL) - 2 * q));
     return a;
+}
+
+/* A row's 16-bit activations for TILE16: x16 = 254 q + q2 per value, each 32 values (in the order the
+ * codes are stored: paired for q4) as their even-indexed values, then their odd ones. */
+static void widen16(const int8_t *q, const int8_t *q2, int64_t Kp, int16_t *x16) {
+    for (int64_t c = 0; c < Kp; c += QK)
+        for (int k = 0; k < QK / 2; k++) {
+            x16[c + k] = (int16_t)(254 * q[c + 2 * k] + q2[c + 2 * k]);
+            x16[c + QK / 2 + k] = (int16_t)(254 * q[c + 2 * k + 1] + q2[c + 2 * k + 1]);
+        }
 }
 
 /* Products smaller than this (rows x outputs x inputs) run on one thread: waking others costs more. */
@@ -653,7 +650,7 @@ static void linear_team(const packed_t *w, int64_t M, const float *x, float *y, 
     const int8_t *qs = w->qs;
     const uint16_t *wd = w->d, *wm = w->m;
     int64_t row_bytes = fmt == FMT_Q8 ? Kp : Kp / 2, rows = L * M, xstride = pre == PRE_SWIGLU ? 2 * K : K;
-    int paired = fmt == FMT_Q4 && DOT != dot_generic, hi = act_hi(M);
+    int paired = fmt == FMT_Q4 && DOT != dot_generic, hi = act_hi(M), wide16 = hi && TILE16;
     int nw = linear_wide(w, M) ? nth : 1;  /* the threads that work; the others only meet them */
     int64_t lo, up;
     if (tid < nw) {
@@ -663,6 +660,7 @@ static void linear_team(const packed_t *w, int64_t M, const float *x, float *y, 
             const float *row = pre_row(pre, x + r * xstride, K, g + (g_lanes ? (r / M) * K : 0), eps, mine);
             quantize_act(row, K, Kp, a->xq + r * Kp, a->xd + r * ns, a->xs + r * ns, paired,
                          hi ? a->xq2 + r * Kp : NULL);
+            if (wide16) widen16(a->xq + r * Kp, a->xq2 + r * Kp, Kp, a->x16 + r * Kp);
         }
     }
     team_sync(team, nth);
@@ -682,9 +680,13 @@ static void linear_team(const packed_t *w, int64_t M, const float *x, float *y, 
                         int T = (int)(t1 - i < MAXT ? t1 - i : MAXT);
                         int64_t row = l * M + i;
                         float out[MAXT * MAXR];
-                        TILE(fmt, nb, row_bytes, wq + n * row_bytes, ld + n * ns, lm ? lm + n * ns : NULL, R, T,
-                             a->xq + row * Kp, hi ? a->xq2 + row * Kp : NULL, Kp, a->xd + row * ns, a->xs + row * ns,
-                             ns, out);
+                        if (wide16)
+                            TILE16(fmt, nb, row_bytes, wq + n * row_bytes, ld + n * ns, lm ? lm + n * ns : NULL, R,
+                                   T, a->x16 + row * Kp, Kp, a->xd + row * ns, a->xs + row * ns, ns, out);
+                        else
+                            tile_rows(fmt, nb, row_bytes, wq + n * row_bytes, ld + n * ns, lm ? lm + n * ns : NULL, R,
+                                      T, a->xq + row * Kp, hi ? a->xq2 + row * Kp : NULL, Kp, a->xd + row * ns,
+                                      a->xs + row * ns, ns, out);
                         for (int t = 0; t < T; t++) {
                             float *yr = y + (row + t) * N + n;
                             if (acc)
@@ -1319,7 +1321,7 @@ static int has_vnni(void) {  /* __builtin_cpu_supports also checks that the OS k
 static PyObject *py_use(PyObject *self, PyObject *arg) {
     const char *name = PyUnicode_AsUTF8(arg);
     if (!name) return NULL;
-    if (strcmp(name, "generic") == 0) { DOT = dot_generic; TILE = tile_rows; KERNEL = "generic"; Py_RETURN_NONE; }
+    if (strcmp(name, "generic") == 0) { DOT = dot_generic; TILE16 = NULL; KERNEL = "generic"; Py_RETURN_NONE; }
 #ifdef LP_X86
     if (strcmp(name, "avx2") == 0) {
         __builtin_cpu_init();
@@ -1327,14 +1329,14 @@ static PyObject *py_use(PyObject *self, PyObject *arg) {
             PyErr_SetString(PyExc_RuntimeError, "this CPU lacks AVX2/FMA/F16C");
             return NULL;
         }
-        DOT = dot_avx2; TILE = tile_rows; KERNEL = "avx2"; Py_RETURN_NONE;
+        DOT = dot_avx2; TILE16 = NULL; KERNEL = "avx2"; Py_RETURN_NONE;
     }
     if (strcmp(name, "vnni") == 0) {
         if (!has_vnni()) {
             PyErr_SetString(PyExc_RuntimeError, "this CPU lacks AVX-512 VNNI (with AVX-512VL, AVX2, FMA, F16C)");
             return NULL;
         }
-        DOT = dot_avx2; TILE = tile_vnni; KERNEL = "vnni"; Py_RETURN_NONE;
+        DOT = dot_avx2; TILE16 = tile16_vnni; KERNEL = "vnni"; Py_RETURN_NONE;
     }
 #endif
     PyErr_Format(PyExc_ValueError, "unknown or unavailable kernel %s", name);
@@ -1368,7 +1370,7 @@ PyMODINIT_FUNC PyInit__lowbit(void) {
         KERNEL = "avx2";
     }
     if (has_vnni()) {
-        TILE = tile_vnni;
+        TILE16 = tile16_vnni;
         KERNEL = "vnni";
     }
 #endif
