@@ -75,7 +75,7 @@ async def run_schedule(url: str, schedule: list[dict], rate: float, seed: int, e
 
 class LlamaServer:
     def __init__(self, binary: str, gguf: str, threads: int, parallel: int, context: int):
-        from laneplay.app.supervisor import free_port
+        from laneplay.processes import free_port
 
         self.port = free_port()
         self.cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),

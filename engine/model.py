@@ -349,11 +349,11 @@ class LaneModel(nn.Module):
         self.lowbit = not isinstance(self.layers[0].wqkv, Tensor) if self.layers else False
         self.fused_step = None
         if self.lowbit:  # packed weights (kernels.lowbit): fused low-bit decode blocks
-            from laneplay.kernels import lowbit
+            from laneplay.engine import lowbit_step
 
-            self.attention_block, self.mlp_block = lowbit.decode_blocks(cfg)
+            self.attention_block, self.mlp_block = lowbit_step.decode_blocks(cfg)
             # one lane in one process: the whole step is one C call
-            self.fused_step = lowbit.DecodeStep(self) if lowbit.DecodeStep.fits(self) else None
+            self.fused_step = lowbit_step.DecodeStep(self) if lowbit_step.DecodeStep.fits(self) else None
         else:
             self.attention_block, self.mlp_block = decode_blocks(cfg)
 
