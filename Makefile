@@ -100,20 +100,14 @@ gpu-check: venv
 	$(PY) -P bench/gpu_check.py
 
 # The llama.cpp peer of `laneplay bench` (optional, a few minutes of compiling): llama-cpp-python built
-# from its source package. Where the CPU has AVX-512: explicit flags with AMX off (a -march=native build
-# pulls in AMX, whose repack path crashes on the default model, and is slower here); each extension is
-# switched on only when /proc/cpuinfo lists it (AMD EPYC has AVX-512 VNNI but not the VEX AVX-VNNI, and a
-# build that assumes it dies with SIGILL on first use).
+# from its source package, for this machine's CPU. bench/peers.py picks ggml's options from
+# /proc/cpuinfo, each instruction-set extension on only when the CPU lists it (an AVX-512 CPU without the
+# VEX AVX-VNNI, AMD EPYC for one, gets GGML_AVX_VNNI=OFF; a build that assumes it dies with SIGILL), AMX
+# off; the bench runs the built peer once before timing it and skips it, saying why, when it cannot run.
 LLAMA_CPP_VERSION := 0.3.36
-CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
-cpu_has = $(if $(filter $(1),$(CPU_FLAGS)),ON,OFF)
-HAVE_AVX512 := $(filter avx512f,$(CPU_FLAGS))
-LLAMA_CMAKE := $(if $(HAVE_AVX512),-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=$(call cpu_has,fma) \
-  -DGGML_F16C=$(call cpu_has,f16c) -DGGML_BMI2=$(call cpu_has,bmi2) -DGGML_AVX_VNNI=$(call cpu_has,avx_vnni) \
-  -DGGML_AVX512=ON -DGGML_AVX512_VBMI=$(call cpu_has,avx512vbmi) -DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) \
-  -DGGML_AVX512_BF16=$(call cpu_has,avx512_bf16),-DGGML_NATIVE=ON) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
-  -DGGML_AMX_BF16=OFF
+LLAMA_CMAKE = $(shell $(PY) -P -m laneplay.bench.peers cmake-flags)
 bench-peers: venv
+	@test -n "$(LLAMA_CMAKE)" || { echo "bench/peers.py gave no build flags for this CPU"; exit 1; }
 	@echo "llama.cpp build flags: $(LLAMA_CMAKE)"
 	CMAKE_ARGS="$(LLAMA_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(UV_ENV) $(UV) pip install --no-deps \
 	  --no-binary llama-cpp-python "llama-cpp-python==$(LLAMA_CPP_VERSION)" "diskcache==5.6.3"
