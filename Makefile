@@ -25,11 +25,12 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: run test venv sysdeps clean bench bench-peers gpu-check lock help _install_uv _install_pip
+.PHONY: run test screenshots venv sysdeps clean bench bench-peers gpu-check lock help _install_uv _install_pip
 
 help:
 	@echo "make run   - serve Laneplay with the embedded default model"
 	@echo "make test  - run the whole test suite"
+	@echo "make screenshots - retake the README's screenshots (docs/screenshots) with the browser tests"
 	@echo "make bench - run the benchmarks (tables + JSON in bench/results/)"
 	@echo "make bench-peers - build the optional llama.cpp peers (library and llama-server) for make bench (minutes)"
 	@echo "make gpu-check - on a CUDA machine: kernel checks + batch-1 decode timings (bench/results/gpu-check.json)"
@@ -90,8 +91,13 @@ run: venv sysdeps
 	$(VENV)/bin/laneplay serve
 
 # -P: the repository root is not on sys.path; tests import the installed `laneplay` package only.
+# The run ends with its 30 slowest tests. It writes nothing into the repository.
 test: venv sysdeps
-	$(PY) -P -m pytest
+	$(PY) -P -m pytest --durations=30
+
+# The README's screenshots (docs/screenshots/*.png), taken by the browser tests' own flows.
+screenshots: venv sysdeps
+	LANEPLAY_SCREENSHOTS=$(CURDIR)/docs/screenshots $(PY) -P -m pytest tests/browser
 
 bench: venv
 	$(VENV)/bin/laneplay bench
