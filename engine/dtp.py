@@ -1,4 +1,4 @@
-"""Delayed Tensor Parallelism (spec §2): the lanes of one model on `world_size` ranks.
+"""Delayed Tensor Parallelism (docs/laneformer.md §9): the lanes of one model on `world_size` ranks.
 
 Layout: a front process (the caller of `load_engine`) and `world_size` rank processes. Rank r hosts
 lanes [r*L/N, (r+1)*L/N): only those lanes' weight slices (read straight from the checkpoint files),
@@ -150,7 +150,7 @@ class DistLanes:
             kind, s, _ = self.events[self._open_step]
             self.events[self._open_step], self._open_step = (kind, s, end), None
 
-    # -- from the head's output to tokens (spec §2.5) --
+    # -- from the head's output to tokens (docs/laneformer.md §9.4) --
     @property
     def full_logits(self) -> bool:  # the lane head all-reduces whole-vocabulary logits
         return self.cfg.lm_head_type == "lane"

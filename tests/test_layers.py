@@ -1,4 +1,4 @@
-"""The layers of the installed package (design.md §2), read from every module's imports with `ast`.
+"""The layers of the installed package (README, "What is here"), read from every module's imports with `ast`.
 
 Data flows one way: app -> (HTTP) -> engine -> kernels. Kernels import nothing of ours; the engine
 imports no app, storage, evals or bench module; the app imports no engine module (it learns the model
