@@ -25,11 +25,12 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: run test venv sysdeps clean bench bench-peers gpu-check lock help _install_uv _install_pip
+.PHONY: run test screenshots venv sysdeps clean bench bench-peers gpu-check lock help _install_uv _install_pip
 
 help:
 	@echo "make run   - serve Laneplay with the embedded default model"
 	@echo "make test  - run the whole test suite"
+	@echo "make screenshots - retake the README's screenshots (docs/screenshots) with the browser tests"
 	@echo "make bench - run the benchmarks (tables + JSON in bench/results/)"
 	@echo "make bench-peers - build the optional llama.cpp peers (library and llama-server) for make bench (minutes)"
 	@echo "make gpu-check - on a CUDA machine: kernel checks + batch-1 decode timings (bench/results/gpu-check.json)"
@@ -90,8 +91,13 @@ run: venv sysdeps
 	$(VENV)/bin/laneplay serve
 
 # -P: the repository root is not on sys.path; tests import the installed `laneplay` package only.
+# The run ends with its 30 slowest tests. It writes nothing into the repository.
 test: venv sysdeps
-	$(PY) -P -m pytest
+	$(PY) -P -m pytest --durations=30
+
+# The README's screenshots (docs/screenshots/*.png), taken by the browser tests' own flows.
+screenshots: venv sysdeps
+	LANEPLAY_SCREENSHOTS=$(CURDIR)/docs/screenshots $(PY) -P -m pytest tests/browser
 
 bench: venv
 	$(VENV)/bin/laneplay bench
@@ -100,20 +106,14 @@ gpu-check: venv
 	$(PY) -P bench/gpu_check.py
 
 # The llama.cpp peer of `laneplay bench` (optional, a few minutes of compiling): llama-cpp-python built
-# from its source package. Where the CPU has AVX-512: explicit flags with AMX off (a -march=native build
-# pulls in AMX, whose repack path crashes on the default model, and is slower here); each extension is
-# switched on only when /proc/cpuinfo lists it (AMD EPYC has AVX-512 VNNI but not the VEX AVX-VNNI, and a
-# build that assumes it dies with SIGILL on first use).
+# from its source package, for this machine's CPU. bench/peers.py picks ggml's options from
+# /proc/cpuinfo, each instruction-set extension on only when the CPU lists it (an AVX-512 CPU without the
+# VEX AVX-VNNI, AMD EPYC for one, gets GGML_AVX_VNNI=OFF; a build that assumes it dies with SIGILL), AMX
+# off; the bench runs the built peer once before timing it and skips it, saying why, when it cannot run.
 LLAMA_CPP_VERSION := 0.3.36
-CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
-cpu_has = $(if $(filter $(1),$(CPU_FLAGS)),ON,OFF)
-HAVE_AVX512 := $(filter avx512f,$(CPU_FLAGS))
-LLAMA_CMAKE := $(if $(HAVE_AVX512),-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=$(call cpu_has,fma) \
-  -DGGML_F16C=$(call cpu_has,f16c) -DGGML_BMI2=$(call cpu_has,bmi2) -DGGML_AVX_VNNI=$(call cpu_has,avx_vnni) \
-  -DGGML_AVX512=ON -DGGML_AVX512_VBMI=$(call cpu_has,avx512vbmi) -DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) \
-  -DGGML_AVX512_BF16=$(call cpu_has,avx512_bf16),-DGGML_NATIVE=ON) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
-  -DGGML_AMX_BF16=OFF
+LLAMA_CMAKE = $(shell $(PY) -P -m laneplay.bench.peers cmake-flags)
 bench-peers: venv
+	@test -n "$(LLAMA_CMAKE)" || { echo "bench/peers.py gave no build flags for this CPU"; exit 1; }
 	@echo "llama.cpp build flags: $(LLAMA_CMAKE)"
 	CMAKE_ARGS="$(LLAMA_CMAKE)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(UV_ENV) $(UV) pip install --no-deps \
 	  --no-binary llama-cpp-python "llama-cpp-python==$(LLAMA_CPP_VERSION)" "diskcache==5.6.3"

@@ -9,7 +9,7 @@ extension, {"collectives": ..., "timeline": true}, and streams into its own mete
 "wait now" waits and blocking collectives) and summed up in `#dtp-table` (per mode: ms/token, tokens/s,
 per-token exposed / waited / blocking ms of each rank, and the share of communication that the delay hid).
 
-Beside it, `#dtp-prediction`: the performance model's estimate for 8×H200 (bench/perfmodel.py), for the
+Beside it, `#dtp-prediction`: the performance model's estimate for 8×H200 (laneplay/perfmodel.py), for the
 served model when it splits over 8 GPUs, else for Laneformer 2B, saying which. An A/B is a measurement,
 not a generation of the session: nothing is stored.
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import html
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 
 import gradio as gr
 from laneplay.app import playground
@@ -280,33 +280,16 @@ def table_html(runs: list[Run]) -> str:
 
 # ---- the prediction -----------------------------------------------------------------------------------
 
-def model_config(raw: dict | None):
-    """The engine's /health `model_config` (its ModelConfig as a dict) back into a ModelConfig, re-split as
-    standard TP for Llama models; None when absent or unreadable."""
-    if not isinstance(raw, dict):
-        return None
-    try:
-        from laneplay.engine.config import ModelConfig, RopeScaling
-
-        names = {f.name for f in fields(ModelConfig)}
-        vals = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items() if k in names}
-        if isinstance(vals.get("rope_scaling"), dict):
-            vals["rope_scaling"] = RopeScaling(**vals["rope_scaling"])
-        cfg = ModelConfig(**vals)
-        return replace(cfg, num_lanes=1) if cfg.arch == "llama" else cfg  # the engine's split is not the node's
-    except Exception:  # noqa: BLE001 - an engine of another version: fall back to Laneformer 2B
-        return None
-
-
 def prediction(raw_config: dict | None, model_name: str | None) -> dict:
-    """The performance model for 8×H200: for the served model when it splits over 8 GPUs, else for
-    Laneformer 2B. {"available": False, "why"} without the model."""
+    """The performance model for 8×H200: for the served model (its shapes from the engine's /health
+    `model_config`) when it splits over 8 GPUs, else for Laneformer 2B. {"available": False, "why"}
+    without the model."""
     try:
-        from laneplay.bench.perfmodel import node_preset, predict
+        from laneplay.perfmodel import engine_config, node_preset, predict
     except ImportError as e:
         return {"available": False, "why": f"performance model not available ({e})"}
     node = node_preset(NODE)
-    cfg, why = model_config(raw_config), ""
+    cfg, why = engine_config(raw_config), ""
     if cfg is not None:
         try:
             p = predict(cfg, node)
@@ -337,7 +320,7 @@ def prediction_html(pred: dict) -> str:
     else:
         engine_model = pred.get("engine_model")
         served = f"the served model ({_esc(engine_model)}) " if engine_model else ""
-        note = f"Estimate for Laneformer 2B (spec config), not {served or 'the served model'}: {_esc(pred['why'])}"
+        note = f"Estimate for Laneformer 2B (its published shapes), not {served or 'the served model'}: {_esc(pred['why'])}"
     return (f'<div id="dtp-prediction" class="lp-dtp-prediction" {a}><div class="lp-dtp-pred-line">{line}</div>'
             f'<div class="lp-muted">{note}, batch 1 at position {p.position}, from the performance model '
             f'(<code>laneplay perfmodel</code>): a paper model, not a measurement.</div></div>')

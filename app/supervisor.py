@@ -8,7 +8,6 @@ warming up, ready, restarting, unreachable, failed), where is it (`url`), and wh
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -17,14 +16,10 @@ from collections import deque
 
 import httpx
 
+from laneplay.processes import die_with_parent, free_port
+
 READY = "ready"
 STAGES = {"loading": "loading", "compiling": "compiling", "warming up": "warming up"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def world_sizes(model_config: dict | None, most: int = 8) -> list[int] | None:
@@ -45,17 +40,6 @@ def health_info(h: dict) -> dict:
             "world_size": h.get("world_size", 1), "context_length": h.get("context_length"),
             "model_config": h.get("model_config") if isinstance(h.get("model_config"), dict) else None,
             "laneplay": True}
-
-
-def _die_with_parent() -> None:
-    """Linux: the engine process is killed when the app dies, however it dies."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
 
 
 class Engine:
@@ -132,7 +116,7 @@ class LocalEngine(Engine):
         env = dict(os.environ, LANEPLAY_API_KEY="")  # loopback only; the app is the one client
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, bufsize=1, env=env, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=die_with_parent)  # the engine ends with the app
         self.pid = self.proc.pid
         threading.Thread(target=self._read_output, args=(self.proc,), daemon=True).start()
 

@@ -155,7 +155,7 @@ class InProcessServer:
     def __init__(self, engine, max_rows: int, prefix_cache: bool = True):
         import uvicorn
 
-        from laneplay.app.supervisor import free_port
+        from laneplay.processes import free_port
         from laneplay.engine.server import create_app
 
         self.port = free_port()

@@ -151,8 +151,13 @@ def llamacpp_model():
                       "as README's \"How we measure speed\" describes)")
     from laneplay.engine.checkpoint import resolve_checkpoint
 
+    from laneplay.bench.peers import check_llama_cpp
+
     path = resolve_checkpoint("smollm2-135m-instruct")
     threads = torch.get_num_threads()
+    why = check_llama_cpp(str(path), threads)  # before loading it here: a wrong build ends the process
+    if why:
+        return None, f"llama.cpp peer skipped: {why}"
     llm = llama_cpp.Llama(model_path=str(path), n_ctx=2048, n_batch=512, n_threads=threads, n_threads_batch=threads,
                           flash_attn=True, seed=0, verbose=False)
     return llm, f"llama.cpp {getattr(llama_cpp, '__version__', '?')}, {path.name}, flash-attn on, {threads} threads"

@@ -6,7 +6,7 @@
    (a sum over a large tensor).
 2. Every Triton kernel against its torch reference on the GPU at the release's shapes and at edge cases,
    in float32, float16 and bfloat16 (bf16 only runs here: the interpreter's bf16 arithmetic is wrong).
-3. Batch-1 decode of (a) a Laneformer-2B-shaped model with random weights (spec §3 dimensions, fp16,
+3. Batch-1 decode of (a) a Laneformer-2B-shaped model with random weights (docs/laneformer.md §10 dimensions, fp16,
    8 lanes on one GPU) and (b) the default model (its real weights when the embedded checkpoint is
    installed, else its architecture with random weights): ms/token and tokens/s for the eager torch step,
    the static step without graphs, the whole-step CUDA graph with cuBLAS GEMVs and with the GEMV choice
@@ -68,7 +68,7 @@ RESULTS = ROOT / "bench" / "results"
 
 
 def laneformer_2b_config() -> ModelConfig:
-    """Spec §3: D 3072, F 12288, 15 layers, 32/16 heads, 8 lanes, delay 2, layers 0-9 SWA (2048)."""
+    """docs/laneformer.md §10: D 3072, F 12288, 15 layers, 32/16 heads, 8 lanes, delay 2, layers 0-9 SWA (2048)."""
     raw = tiny_laneformer_config(
         vocab_size=32000, hidden_size=3072, intermediate_size=12288, num_hidden_layers=15, num_attention_heads=32,
         num_key_value_heads=16, num_lanes=8, broadcast_delay=2, sliding_window=2048, sliding_window_n_layers=10,

@@ -75,25 +75,35 @@ async def run_schedule(url: str, schedule: list[dict], rate: float, seed: int, e
 
 class LlamaServer:
     def __init__(self, binary: str, gguf: str, threads: int, parallel: int, context: int):
-        from laneplay.app.supervisor import free_port
+        from laneplay.processes import free_port
 
         self.port = free_port()
         self.cmd = [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
                     "-tb", str(threads), "--parallel", str(parallel), "-c", str(context), "--cont-batching"]
 
     def __enter__(self):
+        """Starts the server and has it decode a few tokens (every kernel of the timed run runs once)."""
+        from laneplay.bench.peers import crash_reason
+
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and self.proc.poll() is None:
             try:
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    return url
+                    r = httpx.post(url + "/completion", json={"prompt": "def add(a, b):", "n_predict": 4}, timeout=60)
+                    if r.status_code == 200:
+                        return url
+                    break
             except httpx.HTTPError:
                 pass
             time.sleep(0.3)
-        self.proc.kill()
-        raise RuntimeError("llama-server did not come up")
+        code = self.proc.poll()
+        if code is None:
+            self.proc.kill()
+            self.proc.wait(10)
+            raise RuntimeError("llama-server did not answer a 4-token request within 120 s")
+        raise RuntimeError(f"llama-server does not run here: {crash_reason(code)}")
 
     def __exit__(self, *exc):
         self.proc.terminate()
@@ -130,6 +140,13 @@ def main(argv: list[str] | None = None) -> int:
                  for r in build_schedule(engine.tokenizer, 6, args.seed)]
     mean_alone = statistics.mean(alone)
     servers = [("ours", lambda: InProcessServer(engine, 16), {})]
+    if args.llama_server:
+        try:  # before it is timed: a peer built for another CPU is skipped, with the reason
+            with LlamaServer(args.llama_server, str(resolve_checkpoint("smollm2-135m-instruct")), threads, 1, 2048):
+                pass
+        except (OSError, RuntimeError) as e:
+            print(f"llama-server peer skipped: {e}", file=sys.stderr)
+            args.llama_server = None
     if args.llama_server:
         servers.append(("llama-server", lambda: LlamaServer(args.llama_server, str(resolve_checkpoint(
             "smollm2-135m-instruct")), threads, 8, 8 * 2600), {}))

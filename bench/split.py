@@ -6,7 +6,7 @@ projections and the LM head, on random inputs of the right shapes), and the atte
 the cache write and attention over the visible slots, every layer); "other" is what remains: norms,
 residual updates, the embedding row, Python between calls (never below 0). For the low-bit path the
 parts are timed through the same C functions the step uses, one Python call each; when the whole step
-is one C call (a one-lane model, `kernels.lowbit.DecodeStep`) those per-call costs are not in the step,
+is one C call (a one-lane model, `engine.lowbit_step.DecodeStep`) those per-call costs are not in the step,
 so its parts can add up to more than it and "other" reads 0. For the float path the parts are the
 torch functions the step runs (uncompiled: in a compiled engine they are fused with their neighbours,
 so its split is indicative).

@@ -400,7 +400,7 @@ def load_weights(cfg: ModelConfig, src: TensorSource, lanes: range | None = None
 # ---- writing checkpoints (tests, benchmarks) ------------------------------------------------------
 
 def tiny_laneformer_config(**overrides) -> dict:
-    """A small config.json dict in the Laneformer (HF) format; spec §3 field names."""
+    """A small config.json dict in the Laneformer (HF) format; docs/laneformer.md §10 field names."""
     raw = {
         "model_type": "laneformer_tp", "architectures": ["LaneformerTPForCausalLM"],
         "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 5,
@@ -415,7 +415,7 @@ def tiny_laneformer_config(**overrides) -> dict:
 
 
 def random_laneformer_tensors(raw: dict, seed: int = 0, layout: str = "3d") -> dict[str, Tensor]:
-    """Random weights with the exact key names and shapes of spec §1.9 (`layout="2d"`: flattened twin)."""
+    """Random weights with the exact key names and shapes of docs/laneformer.md §8 (`layout="2d"`: flattened twin)."""
     cfg = config_from_hf(raw)
     g = torch.Generator().manual_seed(seed)
     L, D, hd, V = cfg.num_lanes, cfg.hidden_size, cfg.head_dim, cfg.vocab_size

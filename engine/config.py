@@ -1,6 +1,7 @@
 """Model configuration: one dataclass for Laneformer and Llama-family checkpoints.
 
-Read from a Hugging Face `config.json` with the field names of the Laneformer spec (§1.6-§1.10, §3).
+Read from a Hugging Face `config.json` with the field names of docs/laneformer.md §10; the per-layer
+rules it answers are docs/laneformer.md §4-§6.
 A Llama checkpoint is the special case "every layer reduces PRESENT" (standard tensor parallelism),
 which we encode as `broadcast_delay = 0`: with no delay, PAST at layer i consumes layer i itself,
 `x + (Σx - x) = Σx`, i.e. exactly PRESENT.
@@ -18,7 +19,7 @@ log = logging.getLogger(__name__)
 
 LM_HEAD_TYPES = ("replicate", "lane", "vocab_parallel")
 
-# Reduce modes of spec §1.6.
+# Reduce modes of docs/laneformer.md §4.
 NO_REDUCE, PRESENT, PAST = "no_reduce", "present", "past"
 SUB_BLOCKS = ("attention", "mlp")
 
@@ -29,7 +30,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3.1-style frequency scaling (spec §1.10)."""
+    """Llama-3.1-style frequency scaling (docs/laneformer.md §6)."""
 
     factor: float
     low_freq_factor: float
@@ -52,7 +53,7 @@ class ModelConfig:
     use_attention_comm: bool = True
     use_mlp_comm: bool = True
     use_early_comm: bool = True
-    # Old code: layers d..2d-1 re-add the other lanes' outputs of layers 0..d-1 (spec §1.6 quirk).
+    # Old code: layers d..2d-1 re-add the other lanes' outputs of layers 0..d-1 (docs/laneformer.md §4).
     # False = the newer revision, where layers < d broadcast nothing to the future.
     early_layers_broadcast: bool = True
     # Newer revision: per-layer "does layer i send its output to layer i + d" (None: derived as above).
@@ -110,7 +111,7 @@ class ModelConfig:
         return self.use_attention_comm if kind == "attention" else self.use_mlp_comm
 
     def reduce_mode(self, layer: int, kind: str) -> str:
-        """NO_REDUCE / PRESENT / PAST for sub-block `kind` of `layer` (spec §1.6)."""
+        """NO_REDUCE / PRESENT / PAST for sub-block `kind` of `layer` (docs/laneformer.md §4)."""
         if self.num_lanes == 1 or self.broadcast_delay == 0:
             return PRESENT
         if layer < self.broadcast_delay:
@@ -244,7 +245,7 @@ def _rope(raw: dict) -> tuple[float, RopeScaling | None]:
 
 
 def _swa_layers(raw: dict, n_layers: int) -> tuple[int, ...]:
-    """Which layers use the sliding window, under any of the three conventions (spec §1.7)."""
+    """Which layers use the sliding window, under any of the three conventions (docs/laneformer.md §5)."""
     if raw.get("sliding_window") is None:
         return ()
     if raw.get("layer_types") is not None:

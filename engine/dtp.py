@@ -1,4 +1,4 @@
-"""Delayed Tensor Parallelism (spec §2): the lanes of one model on `world_size` ranks.
+"""Delayed Tensor Parallelism (docs/laneformer.md §9): the lanes of one model on `world_size` ranks.
 
 Layout: a front process (the caller of `load_engine`) and `world_size` rank processes. Rank r hosts
 lanes [r*L/N, (r+1)*L/N): only those lanes' weight slices (read straight from the checkpoint files),
@@ -28,7 +28,7 @@ import math
 import os
 import secrets
 import shutil
-import socket
+import signal
 import subprocess
 import sys
 import tempfile
@@ -51,6 +51,7 @@ from laneplay.engine.model import LaneModel
 from laneplay.engine.runner import LocalRunner
 from laneplay.engine.runtime import Runtime
 from laneplay.engine.sampling import SamplingParams, sample
+from laneplay.processes import die_with_parent, free_port
 
 
 class DTPError(RuntimeError):
@@ -149,7 +150,7 @@ class DistLanes:
             kind, s, _ = self.events[self._open_step]
             self.events[self._open_step], self._open_step = (kind, s, end), None
 
-    # -- from the head's output to tokens (spec §2.5) --
+    # -- from the head's output to tokens (docs/laneformer.md §9.4) --
     @property
     def full_logits(self) -> bool:  # the lane head all-reduces whole-vocabulary logits
         return self.cfg.lm_head_type == "lane"
@@ -319,20 +320,9 @@ def summarize_timeline(events, rank: int, keep: int = STEPS_KEPT) -> dict:
     return out
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this rank if the front process dies (no orphaned ranks)."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-
-
 def rank_main(rank: int, address: str, port: int, timeout_s: float, runtime: Runtime) -> None:
     """A rank process: join the process group, then serve the front's messages until "close"."""
-    _die_with_parent()
+    die_with_parent(signal.SIGKILL)  # no orphaned ranks if the front process dies
     runtime = runtime.for_rank(rank)
     torch.set_num_threads(runtime.threads)
     conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop("LANEPLAY_DTP_KEY")))
@@ -377,12 +367,6 @@ def rank_main(rank: int, address: str, port: int, timeout_s: float, runtime: Run
 
 # ---- the front ----------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class DTPRunner:
     """The runner the engine's front end drives when the lanes live on `world_size` rank processes.
 
@@ -407,7 +391,7 @@ class DTPRunner:
         listener = Listener(address, family="AF_UNIX", authkey=key)
         env = dict(os.environ, LANEPLAY_DTP_KEY=key.hex())
         try:
-            port = _free_port()
+            port = free_port()
             for rank in range(self.world_size):
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-m", "laneplay.engine.dtp", str(rank), address, str(port), str(timeout_s),

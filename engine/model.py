@@ -1,7 +1,7 @@
-"""Laneformer in lane form (spec §1): embedding -> lanes -> layers (attention, MLP, reduce) -> aggregate -> head.
+"""Laneformer in lane form (docs/laneformer.md §1-§7): embedding -> lanes -> layers (attention, MLP, reduce) -> aggregate -> head.
 
-The hidden state carries an explicit lane axis. We keep it lane-major, `h: [L, B, S, D]` (the spec's
-`[B, S, L, D]` with the lane axis first), so that every lane-local matmul is one slice of a `bmm`
+The hidden state carries an explicit lane axis. We keep it lane-major, `h: [L, B, S, D]` (`[B, S, L, D]`
+with the lane axis first), so that every lane-local matmul is one slice of a `bmm`
 and a rank of the DTP runtime holds a contiguous block of lanes. A model instance may host only a
 slice of the lanes (`lanes = range(l0, l1)`); all cross-lane traffic goes through `self.comm`
 (`LocalLanes` here, collectives in `engine.dtp`), so the math is written once.
@@ -24,7 +24,7 @@ from laneplay.engine.sampling import SamplingParams, sample
 PREFILL_CHUNK = 512  # prompt tokens per prefill step (default; the runtime record sets it)
 
 
-# ---- RoPE (spec §1.10) -----------------------------------------------------------------------
+# ---- RoPE (docs/laneformer.md §6) ----------------------------------------------------------------
 
 def rope_frequencies(cfg: ModelConfig) -> Tensor:
     """f_t = theta^(-2t/hd), t = 0..hd/2-1, with optional Llama-3.1 scaling; float64 for exactness."""
@@ -66,7 +66,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def lane_linear(x: Tensor, w) -> Tensor:
-    """y[l] = x[l] @ w[l].T. x: [L, B, S, I], w: [L, O, I] -> [L, B, S, O] (spec §1.2).
+    """y[l] = x[l] @ w[l].T. x: [L, B, S, I], w: [L, O, I] -> [L, B, S, O] (docs/laneformer.md §2).
 
     w may also be a packed low-bit weight (`kernels.lowbit.PackedWeight`, the CPU low-bit path)."""
     if not isinstance(w, Tensor):
@@ -349,11 +349,11 @@ class LaneModel(nn.Module):
         self.lowbit = not isinstance(self.layers[0].wqkv, Tensor) if self.layers else False
         self.fused_step = None
         if self.lowbit:  # packed weights (kernels.lowbit): fused low-bit decode blocks
-            from laneplay.kernels import lowbit
+            from laneplay.engine import lowbit_step
 
-            self.attention_block, self.mlp_block = lowbit.decode_blocks(cfg)
+            self.attention_block, self.mlp_block = lowbit_step.decode_blocks(cfg)
             # one lane in one process: the whole step is one C call
-            self.fused_step = lowbit.DecodeStep(self) if lowbit.DecodeStep.fits(self) else None
+            self.fused_step = lowbit_step.DecodeStep(self) if lowbit_step.DecodeStep.fits(self) else None
         else:
             self.attention_block, self.mlp_block = decode_blocks(cfg)
 
@@ -410,7 +410,7 @@ class LaneModel(nn.Module):
             return k_all, v_all, None  # plain causal over the chunk itself: the fused kernel
         return k_all, v_all, _attention_mask(q_pos, k_pos, window)
 
-    # -- the only cross-lane step (spec §1.6) ---------------------------------------------------
+    # -- the only cross-lane step (docs/laneformer.md §4) ------------------------------------------
     def reduce(self, i: int, kind: str, x: Tensor, saved: dict) -> Tensor:
         """What layer i's sub-block adds to the residual; `saved` carries the delayed partials."""
         cfg, comm = self.cfg, self.comm
@@ -473,7 +473,7 @@ class LaneModel(nn.Module):
         return self.head(h)[:, -1]
 
     def head(self, h: Tensor) -> Tensor:
-        """Final norm, lane aggregation and LM head (spec §1.8). h [L, B, S, D] -> logits [B, S, V]."""
+        """Final norm, lane aggregation and LM head (docs/laneformer.md §7). h [L, B, S, D] -> logits [B, S, V]."""
         cfg, comm, eps = self.cfg, self.comm, self.cfg.norm_eps
         if cfg.pre_norm_lane_agg:  # a sum over lanes, then the norm
             y = rms_norm(comm.lane_sum(h)[0], self.norm, eps)

@@ -1,6 +1,6 @@
 """The CUDA decode step: static buffers, the position on the device, one CUDA graph per batch size.
 
-`StaticDecoder` runs the same function as `LaneModel.decode` (spec §1.4-§1.8, all lanes in this
+`StaticDecoder` runs the same function as `LaneModel.decode` (docs/laneformer.md §3-§7, all lanes in this
 process) through the kernels of `laneplay.kernels` over buffers whose addresses never change: a KV
 cache of fixed capacity per batch size, the token ids and the position as device tensors (attention
 masks slots by the position it reads there, so nothing in the step depends on a host value). On CUDA
@@ -158,7 +158,7 @@ class StaticDecoder:
         return ops.decode_attention(q, kc, vc, pos, window, impl=self.impl, config=config)
 
     def _reduce(self, i: int, kind: str, h: Tensor, x: Tensor, saved: dict, next_norm: Tensor | None):
-        """h += what layer i's sub-block adds (spec §1.6), in place; returns the next sub-block's normed input.
+        """h += what layer i's sub-block adds (docs/laneformer.md §4), in place; returns the next sub-block's normed input.
 
         All lanes here: the lane sums are computed inside the residual kernel. On a DTP rank the sums come
         from the comm: issued right after the partial exists, waited for d layers later, as in `LaneModel`.

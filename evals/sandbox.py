@@ -1,4 +1,4 @@
-"""Run untrusted Python in a fresh `python -I` process inside bubblewrap (design §7).
+"""Run untrusted Python in a fresh `python -I` process inside bubblewrap.
 
 What the sandbox gives the program:
 - its own network (loopback only), PID, IPC, UTS and cgroup namespaces;

@@ -15,8 +15,6 @@ each pass over the weights, bit for bit the AVX2 kernel's results. Long products
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import Tensor
 
@@ -90,7 +88,7 @@ def gemm_min_rows(rows: int | None = None) -> int:
 
 
 def step_threads(n: int | None = None) -> int:
-    """How many threads a whole decode step (`DecodeStep`) runs on. By default (0) the step times itself
+    """How many threads a whole decode step (`step`) runs on. By default (0) the step times itself
     and settles on the fastest of all, half, a quarter, ... of the threads, which is all of them on an
     idle machine and fewer when other work competes for the cores; n >= 1 pins the count. Sets it when
     given; returns the count the next step runs on. Results do not depend on it."""
@@ -162,12 +160,10 @@ class PackedWeight:
 
     def _gemm(self, x: Tensor, m: int, norm: Tensor | None, eps: float, swiglu: bool) -> Tensor:
         """linear() as one float GEMM per lane on the unpacked weight (long products)."""
-        from laneplay.engine.model import rms_norm
-
         L, K = self.lanes, self.cols
         x3 = x.view(L, m, -1)
-        if norm is not None:
-            x3 = rms_norm(x3, norm.reshape(L if norm.numel() != K else 1, 1, K), eps)
+        if norm is not None:  # RMSNorm of the float32 rows, then the weight (one per lane or shared)
+            x3 = x3 * torch.rsqrt(x3.pow(2).mean(-1, keepdim=True) + eps) * norm.reshape(L if norm.numel() != K else 1, 1, K)
         elif swiglu:
             gate, up = x3.split(K, dim=-1)
             x3 = torch.nn.functional.silu(gate) * up
@@ -226,98 +222,22 @@ def attend(qkv: Tensor, cos: Tensor, sin: Tensor, kc: Tensor, vc: Tensor, slot: 
     return out
 
 
-def decode_blocks(cfg):
-    """The low-bit twins of `engine.model.decode_blocks`: the same two per-layer functions, with
-    the norm fused into the projection's input, RoPE + cache write + attention in one call, and
-    SwiGLU fused into w2's input."""
-    eps, hq, hkv = cfg.norm_eps, cfg.heads_per_lane, cfg.kv_heads_per_lane
-
-    def attention_block(h, norm_w, wqkv, wo, kc, vc, cos, sin, slot, n: int) -> Tensor:
-        L, B = h.shape[:2]
-        qkv = wqkv.linear(h, norm=norm_w, eps=eps)  # [L, B, 1, (Hq + 2 Hkv) hd]
-        o = attend(qkv.view(L * B, -1), cos.view(-1), sin.view(-1), kc, vc, slot, n, hq, hkv)
-        return wo.linear(o.view(L, B, 1, -1))
-
-    def mlp_block(h, norm_w, w13, w2) -> Tensor:
-        return w2.linear(w13.linear(h, norm=norm_w, eps=eps), swiglu=True)
-
-    return attention_block, mlp_block
-
-
-class DecodeStep:
-    """A whole decode step of a one-lane packed model in one C call (`_lowbit.step`).
-
-    With one lane in one process the residual stream needs no cross-lane sums, so every layer is
-    h += wo . attend(wqkv . norm(h)); h += w2 . swiglu(w13 . norm(h)), and the logits are
-    head . norm(h): the same C products and attention the per-block path calls, without Python
-    between them. `LaneModel.decode` uses it when `DecodeStep.fits(model)`.
-    """
-
-    def __init__(self, model):
-        require()
-        cfg = model.cfg
-        self.hq, self.hkv, self.hd, self.eps = cfg.heads_per_lane, cfg.kv_heads_per_lane, cfg.head_dim, cfg.norm_eps
-        self.embed, self.cos, self.sin = model.embed, model.cos, model.sin
-        self.norms = []  # contiguous float32 norm weights, kept alive for the plan's pointers
-        rows = []
-        for w in model.layers:
-            an, fn = self._norm(w.attn_norm), self._norm(w.ffn_norm)
-            rows.append([an.data_ptr(), *w.wqkv.desc(), *w.wo.desc(), fn.data_ptr(), *w.w13.desc(), *w.w2.desc()])
-        self.plan = torch.tensor(rows, dtype=torch.int64).contiguous()
-        self.norm = self._norm(model.norm)
-        self.head = torch.tensor(model.head_weight.desc(), dtype=torch.int64)
-        self.vocab = model.head_weight.rows
-        self.layers = len(rows)
-        self._tables = weakref.WeakKeyDictionary()  # cache -> its table
-
-    def _norm(self, t: Tensor) -> Tensor:
-        t = t.detach().reshape(-1).float().contiguous()
-        self.norms.append(t)
-        return t
-
-    @staticmethod
-    def fits(model) -> bool:
-        """One lane, all of it in this process (no collectives), packed projections and head."""
-        from laneplay.engine.model import LocalLanes
-
-        return (available() and model.lowbit and len(model.lanes) == 1 and model.cfg.num_lanes == 1
-                and isinstance(model.comm, LocalLanes) and isinstance(model.head_weight, PackedWeight)
-                and model.head_weight.lanes == 1 and model.cos.dtype == torch.float32
-                and all(w.wqkv.lanes == w.wo.lanes == w.w13.lanes == w.w2.lanes == 1 for w in model.layers))
-
-    def _table(self, cache) -> Tensor:
-        """The cache's buffers as the C step reads them, made once per cache (and forgotten with it)."""
-        table = self._tables.get(cache)
-        if table is None:
-            for k, v in zip(cache.k, cache.v):
-                if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in (k, v)):
-                    raise ValueError("the low-bit step needs a contiguous float32 CPU cache")
-            table = torch.tensor([[k.data_ptr(), v.data_ptr(), s] for k, v, s in zip(cache.k, cache.v, cache.slots)],
-                                 dtype=torch.int64)
-            self._tables[cache] = table
-        return table
-
-    def __call__(self, tokens: Tensor, pos: int, cache) -> Tensor:
-        """tokens [B, 1] at position pos -> logits [B, V]; writes this position into the cache."""
-        return self.groups(tokens, [(pos, cache)])
-
-    def groups(self, tokens: Tensor, groups: list) -> Tensor:
-        """One step for several sequences at once: groups [(pos, cache)], each cache holding its own
-        rows of tokens [B, 1] (in group order) at its own position -> logits [B, V]. The products run
-        over all B rows; each group's attention is the one it runs alone, so a row's logits do not
-        depend on the other groups."""
-        B = tokens.shape[0]
-        rows = [cache.k[0].shape[0] for _, cache in groups]
-        if sum(rows) != B:
-            raise ValueError(f"caches of {sum(rows)} sequences cannot take {B} tokens")
-        table = torch.tensor([[n, pos, self.cos[pos].data_ptr(), self.sin[pos].data_ptr(),
-                               self._table(cache).data_ptr()] for n, (pos, cache) in zip(rows, groups)],
-                             dtype=torch.int64)
-        h = torch.nn.functional.embedding(tokens.reshape(B), self.embed).float().contiguous()
-        logits = torch.empty(B, self.vocab, dtype=torch.float32)
-        _lowbit.step(self.plan.data_ptr(), self.layers, table.data_ptr(), len(groups), self.hq, self.hkv, self.hd,
-                     h.data_ptr(), self.head.data_ptr(), self.norm.data_ptr(), logits.data_ptr(), self.eps)
-        return logits
+def step(plan: Tensor, table: Tensor, groups: int, heads: int, kv_heads: int, head_dim: int, h: Tensor,
+         head: Tensor, norm: Tensor, logits: Tensor, eps: float) -> Tensor:
+    """A whole decode step of a one-lane packed model in one C call, for rows h [B, D] (float32, their
+    embeddings; overwritten) -> logits [B, V] (written in place, returned). Every layer adds
+    wo . attend(wqkv . rmsnorm(h)) and w2 . swiglu(w13 . rmsnorm(h)) to h; the logits are
+    head . rmsnorm(h). The operands are int64 tables of pointers (the caller keeps their tensors alive):
+    plan [layers, 34], per layer: the attention norm, `desc()` of wqkv and of wo, the MLP norm, `desc()` of
+    w13 and of w2; table [groups, 5] per group of rows: rows, position, cos and sin of that position, and its cache
+    table [layers, 3] (k buffer, v buffer, slots); head: the head's `desc()`; norm: the final norm."""
+    require()
+    for t in (h, logits, norm):
+        if t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError("step() takes contiguous float32 rows, logits and norm")
+    _lowbit.step(plan.data_ptr(), plan.shape[0], table.data_ptr(), int(groups), heads, kv_heads, head_dim,
+                 h.data_ptr(), head.data_ptr(), norm.data_ptr(), logits.data_ptr(), eps)
+    return logits
 
 
 def pack(w: Tensor, fmt: str) -> PackedWeight:

@@ -37,7 +37,7 @@ def slot_positions(pos: int, slots: int, device=None) -> Tensor:
 
 def rope_kv_write(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
                   num_q_heads: int, num_kv_heads: int, head_dim: int) -> Tensor:
-    """Interleaved-pair RoPE (spec §1.5) on the q and k heads of qkv [N, (Hq + 2 Hkv) * hd] at position
+    """Interleaved-pair RoPE (docs/laneformer.md §3) on the q and k heads of qkv [N, (Hq + 2 Hkv) * hd] at position
     `pos` (a one-element integer tensor); k and v go into slot pos % slots of the caches
     [N, Hkv, slots, hd] (the ring-buffer slot on sliding-window layers). Returns rotated q [N, Hq, hd]."""
     N = qkv.shape[0]
@@ -91,7 +91,7 @@ def residual_update(h: Tensor, x: Tensor, *, present: bool = False, scale: float
                     norm_weight: Tensor | None = None, eps: float = 1e-5,
                     norm_dtype: torch.dtype | None = None, out: Tensor | None = None,
                     total: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """The delayed residual update of spec §1.6 for all lanes at once, with the next sub-block's norm.
+    """The delayed residual update of docs/laneformer.md §4 for all lanes at once, with the next sub-block's norm.
 
     h, x, past: [L, B, D]; total_old: [B, D] (the lane sum of `past`, issued d layers ago). Adds to h:
       present      Σ_lanes x                      (PRESENT: the all-reduce now)
@@ -123,5 +123,5 @@ def residual_update(h: Tensor, x: Tensor, *, present: bool = False, scale: float
 
 
 def lane_gemv(x: Tensor, w: Tensor) -> Tensor:
-    """y[l] = x[l] @ w[l].T for x [L, B, I], w [L, O, I] -> [L, B, O] (spec §1.2's lane linear)."""
+    """y[l] = x[l] @ w[l].T for x [L, B, I], w [L, O, I] -> [L, B, O] (docs/laneformer.md §2's lane linear)."""
     return torch.bmm(x, w.transpose(1, 2))

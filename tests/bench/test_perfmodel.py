@@ -1,4 +1,5 @@
-"""The batch-1 decode performance model (bench/perfmodel.py): bytes, schedule, presets, command line."""
+"""The batch-1 decode performance model (laneplay/perfmodel.py): bytes, schedule, presets; and its command
+line (bench/perfmodel.py)."""
 import argparse
 import json
 import math
@@ -6,9 +7,10 @@ from dataclasses import replace
 
 import pytest
 
-from laneplay.bench import perfmodel as pm
+from laneplay import perfmodel as pm
+from laneplay.bench import perfmodel as cli
 
-SPEC_PARAMS = 2_320_069_632  # Laneformer 2B, spec §3
+SPEC_PARAMS = 2_320_069_632  # Laneformer 2B, docs/laneformer.md §10
 
 
 def independent_param_count(raw: dict) -> int:
@@ -102,14 +104,14 @@ def test_each_delayed_collective_hides_exactly_its_window():
     assert q.exposed_comm_ms_dtp * 1e3 == pytest.approx(q.collectives_dtp_blocking * min(window) / 2, rel=1e-9)
 
 
-def test_schedule_counts_follow_the_spec():
+def test_schedule_counts_follow_the_dtp_schedule():
     p = pm.predict(None, "8xH200")
     assert p.collectives_tp == 2 * 15 + 1  # two per layer + the argmax gather of the vocabulary shards
     assert p.collectives_dtp_blocking == 4 + 2  # layers 0-1 (use_early_comm) + the final two
     assert p.collectives_dtp_delayed == 2 * (15 - 2 - 2)  # layers 2..12 issue, the last two do not
     early_off = dict(pm.LANEFORMER_2B, use_early_comm=False)
     q = pm.predict(early_off, "8xH200")
-    assert (q.collectives_dtp_blocking, q.collectives_dtp_delayed) == (2, 26)  # spec §2.4: layers 0-12 issue
+    assert (q.collectives_dtp_blocking, q.collectives_dtp_delayed) == (2, 26)  # docs/laneformer.md §9.3: layers 0-12 issue
     assert q.ms_per_token_dtp < p.ms_per_token_dtp
 
 
@@ -173,18 +175,18 @@ def test_calibration_from_result_files(tmp_path):
 
 def parse(argv):
     p = argparse.ArgumentParser()
-    pm.add_arguments(p)
+    cli.add_arguments(p)
     return p.parse_args(argv)
 
 
 def test_cli_json_and_tables(capsys):
-    assert pm.run(parse(["--json", "--no-write", "--node", "8xH200,8xMI300X"])) == 0
+    assert cli.run(parse(["--json", "--no-write", "--node", "8xH200,8xMI300X"])) == 0
     rep = json.loads(capsys.readouterr().out)
     by_node = {e["node"]["name"]: e for e in rep["nodes"]}
     assert by_node["8xH200"]["kog"]["tokens_per_s"] == 2100
     assert by_node["8xMI300X"]["kog"]["tokens_per_s"] == 3000
     assert by_node["8xH200"]["prediction"]["tokens_per_s_dtp"] > by_node["8xH200"]["prediction"]["tokens_per_s_tp"]
-    assert pm.run(parse(["--no-write", "--node", "8xH200", "--eager", "--collective-us", "20"])) == 0
+    assert cli.run(parse(["--no-write", "--node", "8xH200", "--eager", "--collective-us", "20"])) == 0
     out = capsys.readouterr().out
     assert "Assumptions for 8xH200" in out and "collective_us      20" in out and "set on the command line" in out
     assert "calibrated: measured, bench/results/gpu-check.json" in out and "Kog on 8xH200" in out
@@ -215,7 +217,7 @@ def test_bad_flags_are_argparse_errors(argv, message, capsys):
     (["--config", "/nonexistent/config.json"], "no config.json"),
 ])
 def test_bad_values_give_clear_errors(argv, message, capsys):
-    assert pm.run(parse(argv + ["--no-write"])) == 2
+    assert cli.run(parse(argv + ["--no-write"])) == 2
     assert message in capsys.readouterr().err
 
 
@@ -223,7 +225,7 @@ def test_gpu_check_calibration_from_a_run():
     import runpy
     from pathlib import Path
 
-    calibration = runpy.run_path(str(Path(pm.__file__).parent / "gpu_check.py"), run_name="gpu_check")["calibration"]
+    calibration = runpy.run_path(str(Path(cli.__file__).parent / "gpu_check.py"), run_name="gpu_check")["calibration"]
     run = {"gpu": "NVIDIA H200", "bandwidth": {"read_GBps": 4000.0}, "models": [{
         "model": "laneformer-2b-shaped (random weights)", "weight_bytes": 4_000_000_000 + 32000 * 3072 * 2,
         "config": {"vocab_size": 32000, "hidden_size": 3072},

@@ -4,6 +4,10 @@ The server (with its local engine, the embedded default model) starts once per t
 model is most of a module's time on the 2-core machine); each test module starts its own browser and
 contexts, so cookies, and so History, never leak from one module into another. Every
 request a page makes is recorded; anything not addressed to 127.0.0.1 is aborted and fails the test.
+
+The flows also take the README's screenshots, but only when asked: `make screenshots` runs these tests
+with LANEPLAY_SCREENSHOTS set to the folder to write them to (docs/screenshots); a plain test run writes
+nothing into the repository.
 """
 from __future__ import annotations
 
@@ -11,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,18 +24,13 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from laneplay.processes import free_port
+
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARGS = ["--no-sandbox", "--headless=new", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
         "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-default-apps",
         "--disable-extensions", "--metrics-recording-only", "--mute-audio"]
-SCREENSHOTS = Path(__file__).resolve().parents[2] / "docs" / "screenshots"
 VIEWPORT = {"width": 1280, "height": 900}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -62,7 +60,7 @@ def server(tmp_path_factory):
     if not os.path.exists(CHROMIUM):
         pytest.fail("chromium is required for the browser tests (the Makefile installs it with apt-get)")
     data = tmp_path_factory.mktemp("app-data")
-    port = _free_port()
+    port = free_port()
     log = data / "serve.log"
     env = dict(os.environ, LANEPLAY_DATA_DIR=str(data), GRADIO_ANALYTICS_ENABLED="False", HF_HUB_OFFLINE="1")
     env.pop("LANEPLAY_DATABASE_URL", None)
@@ -142,8 +140,13 @@ def new_context(browser):
         rec.check()
 
 
-def screenshot(page, name: str) -> Path:
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    path = SCREENSHOTS / f"{name}.png"
+def screenshot(page, name: str) -> Path | None:
+    """Saves the page as <name>.png in the folder LANEPLAY_SCREENSHOTS names (`make screenshots`); without
+    it, nothing is written (None)."""
+    folder = os.environ.get("LANEPLAY_SCREENSHOTS")
+    if not folder:
+        return None
+    path = Path(folder) / f"{name}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(path))
     return path

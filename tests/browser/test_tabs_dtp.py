@@ -11,7 +11,9 @@ import time
 
 import pytest
 
-from .conftest import VIEWPORT, Recorder, Server, _free_port, screenshot
+from laneplay.processes import free_port
+
+from .conftest import VIEWPORT, Recorder, Server, screenshot
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +31,7 @@ def dtp_server(tmp_path_factory):
     model = write_checkpoint(tmp_path_factory.mktemp("models") / "laneformer-tiny-random", raw,
                              random_laneformer_tensors(raw, seed=0))
     data = tmp_path_factory.mktemp("dtp-app-data")
-    port, log = _free_port(), data / "serve.log"
+    port, log = free_port(), data / "serve.log"
     env = dict(os.environ, LANEPLAY_DATA_DIR=str(data), GRADIO_ANALYTICS_ENABLED="False", HF_HUB_OFFLINE="1")
     env.pop("LANEPLAY_DATABASE_URL", None)
     with open(log, "w") as out:

@@ -1,6 +1,6 @@
 """Naive, deliberately literal reference of the Laneformer forward pass (test oracle).
 
-Written straight from ``laneformer-spec.md`` §1.3-§1.11 and shares no code with ``engine/``: it
+Written from the description in docs/laneformer.md §1-§8 and shares no code with ``engine/``: it
 must never import anything from the engine, so the engine can be checked against it.
 
 Everything is computed in float32 with explicit Python loops over layers, lanes and heads; the
@@ -12,10 +12,10 @@ Public helpers:
 - ``naive_hidden_states(config, tensors, ids) -> [B, S, L, D]`` (after the last layer, before the
   final norm / lane aggregation / head)
 - ``naive_trace(config, tensors, ids) -> dict`` per-layer intermediates (for bisecting a mismatch)
-- ``swa_layer_set(config) -> set[int]`` the layers that use sliding-window attention (§1.7)
-- ``reduce_modes(config) -> list[(attn_mode, mlp_mode)]`` the §1.6 mode of every layer
-- ``rope_frequencies(config, head_dim) -> [hd/2]`` f_t with optional llama3 scaling (§1.10)
-- ``random_laneformer(config, seed) -> state dict`` random weights in the §1.9 3-D HF layout
+- ``swa_layer_set(config) -> set[int]`` the layers that use sliding-window attention (docs/laneformer.md §5)
+- ``reduce_modes(config) -> list[(attn_mode, mlp_mode)]`` the docs/laneformer.md §4 mode of every layer
+- ``rope_frequencies(config, head_dim) -> [hd/2]`` f_t with optional llama3 scaling (docs/laneformer.md §6)
+- ``random_laneformer(config, seed) -> state dict`` random weights in the docs/laneformer.md §8 3-D HF layout
 - ``tiny_config(**overrides) -> config dict`` a small, valid config
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ class _Cfg:
         if self.L < 1:
             raise ValueError("num_lanes must be >= 1")
         if self.d < 1:
-            # The spec (§1.6) only defines delays of at least one layer: with d = 0 "the output of
+            # docs/laneformer.md §4 only defines delays of at least one layer: with d = 0 "the output of
             # layer i - 0" would be the layer's own, not yet produced, output.
             raise ValueError(f"broadcast_delay must be >= 1, got {self.d}")
         for name, value in (("num_attention_heads", self.Hq), ("num_key_value_heads", self.Hkv),
@@ -99,7 +99,7 @@ class _Cfg:
             raise ValueError(f"unknown lm_head_type {self.lm_head_type!r}")
         self.pre_norm_lane_agg = bool(_get(config, "pre_norm_lane_agg", False))
         if self.pre_norm_lane_agg and self.lm_head_type != "replicate":
-            raise ValueError("pre_norm_lane_agg is only allowed with lm_head_type='replicate' (§1.8)")
+            raise ValueError("pre_norm_lane_agg is only allowed with lm_head_type='replicate' (docs/laneformer.md §7)")
         if self.lm_head_type == "vocab_parallel" and self.V % self.L != 0:
             raise ValueError("vocab_parallel head needs vocab_size divisible by num_lanes")
 
@@ -107,16 +107,16 @@ class _Cfg:
         if config.get("rope_scaling_args") is not None:
             raise NotImplementedError("rope_scaling_args: pass the llama3 block as rope_scaling")
         if config.get("rope_dim") is not None and int(config["rope_dim"]) != self.hd:
-            raise NotImplementedError("partial rotary (rope_dim != head_dim) is not in the spec")
+            raise NotImplementedError("partial rotary (rope_dim != head_dim) is not in docs/laneformer.md")
 
 
 # --------------------------------------------------------------------------------------------
-# §1.7 which layers are sliding-window
+# docs/laneformer.md §5: which layers are sliding-window
 # --------------------------------------------------------------------------------------------
 
 
 def swa_layer_set(config: dict) -> set[int]:
-    """Indices of the layers that use sliding-window attention (spec §1.7).
+    """Indices of the layers that use sliding-window attention (docs/laneformer.md §5).
 
     ``sliding_window`` null -> no SWA anywhere.  Otherwise, in order of precedence:
     ``layer_types`` (one "sliding_attention"/"full_attention" per layer), then ``swa_layers``
@@ -162,12 +162,12 @@ def swa_layer_set(config: dict) -> set[int]:
 
 
 # --------------------------------------------------------------------------------------------
-# §1.6 reduce modes
+# docs/laneformer.md §4: reduce modes
 # --------------------------------------------------------------------------------------------
 
 
 def reduce_modes(config: dict) -> list[tuple[str, str]]:
-    """(attention mode, MLP mode) of every layer, per spec §1.6 (old code's assignment)."""
+    """(attention mode, MLP mode) of every layer, per docs/laneformer.md §4 (the older code's assignment)."""
     c = _Cfg(config)
     modes = []
     for i in range(c.N):
@@ -182,7 +182,7 @@ def reduce_modes(config: dict) -> list[tuple[str, str]]:
 
 
 def _reduce(mode: str, x: list, past: list | None, n_lanes: int) -> list:
-    """Reduce(x, past) of §1.6 on per-lane lists of [B,S,D] tensors; returns one tensor per lane."""
+    """Reduce(x, past) of docs/laneformer.md §4 on per-lane lists of [B,S,D] tensors; returns one tensor per lane."""
     out = []
     if mode == NO_REDUCE:
         for lane in range(n_lanes):
@@ -211,7 +211,7 @@ def _reduce(mode: str, x: list, past: list | None, n_lanes: int) -> list:
 
 
 # --------------------------------------------------------------------------------------------
-# §1.10 RoPE
+# docs/laneformer.md §6: RoPE
 # --------------------------------------------------------------------------------------------
 
 
@@ -244,7 +244,7 @@ def rope_frequencies(config: dict, head_dim: int) -> torch.Tensor:
                     scaled.append((1.0 - s) * f / factor + s * f)
             freqs = scaled
         else:
-            raise NotImplementedError(f"rope_scaling type {rope_type!r} is not in the spec")
+            raise NotImplementedError(f"rope_scaling type {rope_type!r} is not in docs/laneformer.md")
     return torch.tensor(freqs, dtype=torch.float64)
 
 
@@ -304,7 +304,7 @@ def _mask(seq_len: int, window: int | None) -> torch.Tensor:
 
 
 def _attention(c: _Cfg, x_lanes: list, wq, wk, wv, wo, cos, sin, mask) -> list:
-    """§1.5 on per-lane normed inputs; returns the per-lane (unreduced) outputs [B,S,D]."""
+    """Attention (docs/laneformer.md §3) on per-lane normed inputs; returns the per-lane (unreduced) outputs [B,S,D]."""
     hq_lane = c.Hq // c.L
     hkv_lane = c.Hkv // c.L
     n_rep = c.Hq // c.Hkv
@@ -387,7 +387,7 @@ def _forward(config: dict, tensors: dict, ids: torch.Tensor, trace: dict | None)
         raise ValueError("token id out of range")
     seq_len = ids.shape[1]
 
-    # §1.3 embedding and lane expansion: identical copies of the embedding in every lane.
+    # docs/laneformer.md §1: embedding and lane expansion: identical copies of the embedding in every lane.
     emb = _tensor(tensors, "model.tok_embeddings.weight", (c.V, c.D))
     e = emb[ids]  # [B,S,D]
     h = [e.clone() for _ in range(c.L)]
@@ -457,7 +457,7 @@ def _forward(config: dict, tensors: dict, ids: torch.Tensor, trace: dict | None)
 
 
 def _head(c: _Cfg, tensors: dict, h: list) -> torch.Tensor:
-    """§1.8 final norm, lane aggregation and LM head."""
+    """docs/laneformer.md §7: final norm, lane aggregation and LM head."""
     if c.pre_norm_lane_agg:
         norm_w = _tensor(tensors, "model.norm.weight", (c.D,))
         w = _tensor(tensors, "lm_head.weight", (c.V, c.D))
@@ -554,7 +554,7 @@ def tiny_config(**overrides) -> dict:
 
 
 def random_laneformer(config: dict, seed: int) -> dict:
-    """Random float32 state dict in the §1.9 3-D HF layout for ``config``.
+    """Random float32 state dict in the docs/laneformer.md §8 3-D HF layout for ``config``.
 
     Linear weights ~ N(0, 1/fan_in), embedding ~ N(0, 1), norm weights/scales ~ 1 + N(0, 0.1²)
     (so that they matter), which keeps activations and logits O(1).

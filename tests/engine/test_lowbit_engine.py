@@ -8,6 +8,7 @@ import torch
 from laneplay.engine import SamplingParams, load_engine
 from laneplay.engine.checkpoint import (load_weights, open_checkpoint, random_laneformer_tensors, resolve_checkpoint,
                                         tiny_laneformer_config, write_checkpoint)
+from laneplay.engine.lowbit_step import DecodeStep
 from laneplay.engine.model import LaneModel
 from laneplay.engine.runtime import make_runtime
 from laneplay.kernels import lowbit
@@ -85,7 +86,7 @@ def test_one_lane_models_decode_in_one_fused_step(tmp_path, fmt, overrides):
     src.close()
     fused, blocks, ref = LaneModel(cfg, packed), LaneModel(cfg, packed), LaneModel(cfg, lowbit.unpack_weights(packed))
     blocks.fused_step = None
-    assert isinstance(fused.fused_step, lowbit.DecodeStep)
+    assert isinstance(fused.fused_step, DecodeStep)
     ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(2))
     for n in (1, 3):
         caches = [m.prefill(ids, n, 40)[1] for m in (fused, blocks, ref)]
@@ -199,7 +200,7 @@ def test_default_model_int4_keeps_the_gguf_blocks_exactly(default_weights):
         if isinstance(packed[name], lowbit.PackedWeight):
             assert torch.equal(packed[name].dequantize(), w), name
     assert packed["layers.0.w13"].nbytes <= weights["layers.0.w13"].nbytes / 5
-    assert lowbit.DecodeStep.fits(LaneModel(cfg, packed))  # the default model decodes in one C call per token
+    assert DecodeStep.fits(LaneModel(cfg, packed))  # the default model decodes in one C call per token
 
 
 @pytest.mark.slow

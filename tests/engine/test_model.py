@@ -1,4 +1,4 @@
-"""The engine's lane-form forward against the independent naive reference (spec §1)."""
+"""The engine's lane-form forward against the independent naive reference (docs/laneformer.md §1-§7)."""
 import pytest
 import torch
 

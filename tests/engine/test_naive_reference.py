@@ -36,7 +36,7 @@ def _rmsnorm(x, w, eps):
 
 
 def dense_llama(config, sd, ids, *, residual_scale=1.0, lane=None):
-    """Dense Llama forward with flat weights built from the lane layout (spec §1.9 flattening).
+    """Dense Llama forward with flat weights built from the lane layout (docs/laneformer.md §8 flattening).
 
     lane=None: all lanes flattened into one standard TP model.  lane=l: a dense model made of lane
     l's slices only.  Returns (hidden [B,S,D], logits [B,S,V] with a replicate-style head).
@@ -371,7 +371,7 @@ def test_rope_scaling_formula():
     assert scaled[0] == plain[0] == 1.0  # highest frequency untouched
     _close(scaled[-1], plain[-1] / 8)  # lowest frequency divided by factor
     changed = (scaled != plain).nonzero().flatten().tolist()
-    assert changed == list(range(31, 48))  # spec §1.10: ~17 of 48 change, all wavelengths > 2048
+    assert changed == list(range(31, 48))  # docs/laneformer.md §6: 17 of 48 change, all wavelengths > 2048
     wavelen = 2 * math.pi / plain
     assert bool((wavelen[changed] > 2048).all()) and bool((wavelen[:31] < 2048).all())
     # one smooth-band value by hand

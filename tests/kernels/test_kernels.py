@@ -129,7 +129,7 @@ def test_swiglu(dtype, R, F):
     assert rel_err(ops.swiglu(gu, impl="triton"), reference.swiglu(gu)) <= TOL[dtype]
 
 
-CASES = {  # the reduce modes of spec §1.6
+CASES = {  # the reduce modes of docs/laneformer.md §4
     "present": dict(present=True), "present+future": dict(present=True, want_sum=True),
     "no_reduce": dict(scale=8 ** 0.5, want_sum=True), "past": dict(past=True, want_sum=True),
     "past, last layers": dict(past=True), "own only": dict(),
