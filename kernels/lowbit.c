@@ -83,10 +83,11 @@ static void pack_row(int fmt, const float *x, int64_t K, int64_t Kp, int8_t *qs,
 
 /* paired: the AVX2 q4 kernel's order, blocks b, b + 1 (b even) stored as [b 0..15 | b+1 0..15 | b 16..31 |
  * b+1 16..31], which is how one 32-byte load of their packed codes splits into low and high nibbles. */
-static void quantize_act(const float *x, int64_t K, int64_t Kp, int8_t *q, float *d, float *s, int paired,
-                         int8_t *q2) {
+/* quantize_act from block `from` on (the blocks before it are done), then the paired order */
+static void quantize_act_from(const float *x, int64_t K, int64_t Kp, int8_t *q, float *d, float *s, int paired,
+                              int8_t *q2, int64_t from) {
     for (int64_t b = Kp / QK; b < SPAD(Kp / QK); b++) d[b] = s[b] = 0.0f;
-    for (int64_t b = 0; b < Kp / QK; b++) {
+    for (int64_t b = from; b < Kp / QK; b++) {
         float buf[QK], amax = 0.0f;
         for (int j = 0; j < QK; j++) {
             buf[j] = (b * QK + j < K) ? x[b * QK + j] : 0.0f;
@@ -121,6 +122,63 @@ static void quantize_act(const float *x, int64_t K, int64_t Kp, int8_t *q, float
         }
     }
 }
+
+static void quantize_act(const float *x, int64_t K, int64_t Kp, int8_t *q, float *d, float *s, int paired,
+                         int8_t *q2) {
+    quantize_act_from(x, K, Kp, q, d, s, paired, q2, 0);
+}
+
+#ifdef LP_X86
+/* quantize_act with AVX2: the same operations on 8 values at a time, so the same codes, scales and sums
+ * bit for bit (max is exact in any order, the products and differences are the scalar ones, unfused,
+ * and rounding is to nearest even in both); blocks that run past K take the scalar loop. */
+__attribute__((target("avx2,fma,f16c"), optimize("fp-contract=off"))) static void
+quantize_act_avx2(const float *x, int64_t K, int64_t Kp, int8_t *q, float *d, float *s, int paired, int8_t *q2) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), k254 = _mm256_set1_ps(254.0f);
+    const __m256 lim = _mm256_set1_ps(127.0f), nlim = _mm256_set1_ps(-127.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    int64_t full = K / QK;
+    for (int64_t b = 0; b < full; b++) {
+        __m256 v[4], am = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(x + b * QK + 8 * i);
+            am = _mm256_max_ps(am, _mm256_andnot_ps(sign, v[i]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(am), _mm256_extractf128_ps(am, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        float amax = _mm_cvtss_f32(m4);
+        float df = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
+        __m256 idv = _mm256_set1_ps(id), dfv = _mm256_set1_ps(df);
+        __m256i c[4], c2[4], sum = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], idv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            c[i] = _mm256_cvtps_epi32(r);
+            if (q2) {
+                __m256 rest = _mm256_mul_ps(_mm256_mul_ps(_mm256_sub_ps(v[i], _mm256_mul_ps(dfv, r)), idv), k254);
+                rest = _mm256_round_ps(rest, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                c2[i] = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(rest, lim), nlim));
+                sum = _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_mullo_epi32(c[i], _mm256_set1_epi32(254)), c2[i]));
+            } else {
+                sum = _mm256_add_epi32(sum, c[i]);
+            }
+        }
+        __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+        _mm256_storeu_si256((__m256i *)(q + b * QK), _mm256_permutevar8x32_epi32(p, order));
+        if (q2) {
+            p = _mm256_packs_epi16(_mm256_packs_epi32(c2[0], c2[1]), _mm256_packs_epi32(c2[2], c2[3]));
+            _mm256_storeu_si256((__m256i *)(q2 + b * QK), _mm256_permutevar8x32_epi32(p, order));
+        }
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        d[b] = q2 ? df / 254.0f : df;
+        s[b] = d[b] * (float)_mm_cvtsi128_si32(s4);
+    }
+    /* the rest (a block past K, the padding blocks and scales) and the paired order: the scalar path */
+    quantize_act_from(x, K, Kp, q, d, s, paired, q2, full);
+}
+#endif
 
 /* ---- dot products of up to 4 packed rows with one activation row ------------------------------
  * Rows r < R start at qs + r * row_bytes, wd + r * SPAD(nb), wm + r * SPAD(nb). */
@@ -625,6 +683,12 @@ static act_t act_at(int8_t *base, const packed_t *w, int64_t M, int pre, int nth
     return a;
 }
 
+#ifdef LP_X86
+#define QUANTIZE_FAST quantize_act_avx2
+#else
+#define QUANTIZE_FAST quantize_act
+#endif
+
 /* A row's 16-bit activations for TILE16: x16 = 254 q + q2 per value, each 32 values (in the order the
  * codes are stored: paired for q4) as their even-indexed values, then their odd ones. */
 static void widen16(const int8_t *q, const int8_t *q2, int64_t Kp, int16_t *x16) {
@@ -658,8 +722,8 @@ static void linear_team(const packed_t *w, int64_t M, const float *x, float *y, 
         share(rows, tid, nw, &lo, &up);
         for (int64_t r = lo; r < up; r++) {
             const float *row = pre_row(pre, x + r * xstride, K, g + (g_lanes ? (r / M) * K : 0), eps, mine);
-            quantize_act(row, K, Kp, a->xq + r * Kp, a->xd + r * ns, a->xs + r * ns, paired,
-                         hi ? a->xq2 + r * Kp : NULL);
+            (DOT != dot_generic ? QUANTIZE_FAST : quantize_act)(row, K, Kp, a->xq + r * Kp, a->xd + r * ns,
+                                                                a->xs + r * ns, paired, hi ? a->xq2 + r * Kp : NULL);
             if (wide16) widen16(a->xq + r * Kp, a->xq2 + r * Kp, Kp, a->x16 + r * Kp);
         }
     }
@@ -1270,6 +1334,30 @@ static PyObject *py_kernel(PyObject *self, PyObject *noargs) { return PyUnicode_
 static int has_vnni(void);
 #endif
 
+/* quantize(fast, K, Kp, paired, x, q, q2, d, s): one row's activations as the products quantize them
+ * (q2 = 0: no rounding rest), by the scalar loop (fast = 0) or the AVX2 one; the tests compare them. */
+static PyObject *py_quantize(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t a[9];
+    if (args_i64(args, nargs, 9, a) < 0) return NULL;
+    if (a[1] < 1 || a[2] < a[1] || a[2] % QK) {
+        PyErr_SetString(PyExc_ValueError, "quantize: K must be at least 1 and Kp a multiple of 32 no less than K");
+        return NULL;
+    }
+#ifdef LP_X86
+    __builtin_cpu_init();
+    if (a[0] && !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) {
+#else
+    if (a[0]) {
+#endif
+        PyErr_SetString(PyExc_RuntimeError, "quantize: this CPU has no AVX2 loop");
+        return NULL;
+    }
+    (a[0] ? QUANTIZE_FAST : quantize_act)((const float *)(intptr_t)a[4], a[1], a[2], (int8_t *)(intptr_t)a[5],
+                                          (float *)(intptr_t)a[7], (float *)(intptr_t)a[8], (int)a[3],
+                                          a[6] ? (int8_t *)(intptr_t)a[6] : NULL);
+    Py_RETURN_NONE;
+}
+
 /* kernels(): the kernels this CPU can run, the one chosen at import last */
 static PyObject *py_kernels(PyObject *self, PyObject *noargs) {
 #ifdef LP_X86
@@ -1355,6 +1443,8 @@ static PyMethodDef METHODS[] = {
     {"kernel", py_kernel, METH_NOARGS, "the dot-product kernel in use"},
     {"step_threads", py_step_threads, METH_O, "step_threads(n): pin (n >= 1) or free (0) a step's threads"},
     {"activation_bits", py_activation_bits, METH_O, "activation_bits(8 | 16 | 0) -> the previous setting"},
+    {"quantize", (PyCFunction)(void (*)(void))py_quantize, METH_FASTCALL,
+     "quantize(fast, K, Kp, paired, x, q, q2, d, s)"},
     {"kernels", py_kernels, METH_NOARGS, "kernels(): the kernels this CPU can run"},
     {"use", py_use, METH_O, "use('vnni' | 'avx2' | 'generic')"},
     {NULL, NULL, 0, NULL},

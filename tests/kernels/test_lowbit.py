@@ -362,3 +362,29 @@ def test_attend_refuses_bad_slots_and_shapes():
         lowbit.attend(qkv.clone(), cs, cs, kc, kc.clone(), 0, 1, 3, 1)
     with pytest.raises(ValueError, match="contiguous float32"):
         lowbit.attend(qkv.double(), cs, cs, kc, kc.clone(), 0, 1, 2, 1)
+
+
+@pytest.mark.parametrize("k", [32, 70, 576, 1536])
+@pytest.mark.parametrize("rest", [True, False], ids=["act16", "act8"])
+@pytest.mark.parametrize("paired", [True, False])
+def test_the_vector_activation_quantizer_is_the_scalar_one_bit_for_bit(k, rest, paired):
+    """The AVX2 and VNNI kernels quantize a product's inputs with vector code: the same codes, rests,
+    scales and sums as the portable loop, so the kernel choice never changes what a row is multiplied by."""
+    if "avx2" not in KERNELS:
+        pytest.skip("this CPU has no AVX2: only the scalar quantizer runs")
+    torch.manual_seed(k)
+    kp = -(-k // 32) * 32
+    ns = -(-(kp // 32) // 8) * 8
+    for scale in (1e-3, 1.0, 3e4):
+        x = torch.randn(k) * scale
+        x[:7] = 0.0  # an all-zero stretch
+        x[40:45] = torch.tensor([0.5, -0.5, 1.5, -2.5, 127.0])[: max(0, min(5, k - 40))]  # ties
+        outs = []
+        for fast in (0, 1):
+            q, q2 = torch.zeros(kp, dtype=torch.int8), torch.zeros(kp, dtype=torch.int8)
+            d, s = torch.full((ns,), 7.0), torch.full((ns,), 7.0)
+            lowbit._lowbit.quantize(fast, k, kp, int(paired), x.data_ptr(), q.data_ptr(),
+                                    q2.data_ptr() if rest else 0, d.data_ptr(), s.data_ptr())
+            outs.append((q, q2, d, s))
+        for a, b in zip(*outs):
+            assert torch.equal(a, b)
