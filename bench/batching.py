@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="1,2,4,8,16", help="requests per decode step (table 1)")
     p.add_argument("--users", default="1,4,8", help="concurrent clients (table 2; the first is the alone run)")
     p.add_argument("--tokens", type=int, default=128)
-    p.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill step")
+    p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill step (the engine's default)")
     p.add_argument("--join-tokens", type=int, default=1500, help="the long prompt that joins three decodes")
     p.add_argument("--passn-problems", type=int, default=8, help="problems of the pass@N-like run (N = 8)")
     p.add_argument("--allow-noisy", action="store_true")
@@ -246,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet = check_quiet(args.allow_noisy)
     from laneplay.engine import load_engine
 
-    engine = load_engine("smollm2-135m-instruct", dtype=args.dtype, prefill_chunk=args.prefill_chunk)
+    chunk = {"prefill_chunk": args.prefill_chunk} if args.prefill_chunk else {}
+    engine = load_engine("smollm2-135m-instruct", dtype=args.dtype, **chunk)
     rows = step_costs(engine, [int(x) for x in args.rows.split(",")])
     print(f"one decode step for k separate requests ({engine.runtime.dtype}, {torch.get_num_threads()} threads)")
     print_table(rows, [("requests", "requests", "d"), ("ms_per_step", "ms/step", ".1f"), ("vs_one", "x one", ".2f"),

@@ -5,7 +5,7 @@
 Same weights (the embedded default model; ours in float32 and on the CPU's default int4 path, whose
 long prompt chunks run as float GEMMs on the unpacked weights) and identical prompt ids for every
 engine; each run produces exactly one token, so TTFT is the prefill. Ours prefills in chunks (`--chunk`, the
-engine's default 512) and never holds more than chunk x length attention scores; transformers runs
+engine's default, `PREFILL_CHUNK`) and never holds more than chunk x length attention scores; transformers runs
 its SDPA attention over the whole prompt at once. Runs alternate between the engines so drift hits all;
 the ratio is the result. Peak RSS growth during each run is reported as well.
 Writes bench/results/prefill-cpu.json.
@@ -20,6 +20,7 @@ import time
 import torch
 
 from laneplay.bench.common import check_quiet, median, print_table, write_json
+from laneplay.engine.runtime import PREFILL_CHUNK
 
 SNIPPET = "def f{i}(x):\n    return x * {i} + 1\n\n"
 
@@ -84,7 +85,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--lengths", default="512,2048,8190", help="prompt lengths in tokens")
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--chunk", type=int, default=512, help="our prefill chunk (tokens)")
+    p.add_argument("--chunk", type=int, default=PREFILL_CHUNK, help="our prefill chunk (tokens)")
     p.add_argument("--dtypes", default="float32,int4", help="our engine's weight paths to time")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--allow-noisy", action="store_true", help="report on a busy machine (numbers flagged noisy)")

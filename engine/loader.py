@@ -12,14 +12,14 @@ from laneplay.engine.checkpoint import GGUFSource, load_weights, open_checkpoint
 from laneplay.engine.engine import Engine
 from laneplay.engine.model import LaneModel
 from laneplay.engine.runner import LocalRunner
-from laneplay.engine.runtime import make_runtime
+from laneplay.engine.runtime import PREFILL_CHUNK, make_runtime
 
 DTP_OPTIONS = ("wait_now", "timeline", "timeout_s")
 
 
 def load_engine(model: str | os.PathLike = "smollm2-135m-instruct", device: str | None = "cpu",
                 dtype="float32", world_size: int = 1, compile=False, threads: int | None = None,
-                kv_budget_gb: float | None = None, prefill_chunk: int = 512, progress=None,
+                kv_budget_gb: float | None = None, prefill_chunk: int = PREFILL_CHUNK, progress=None,
                 graphs="auto", **options) -> Engine:
     """Load a checkpoint (HF directory, .gguf, Hub id in the local cache, or the embedded default).
 

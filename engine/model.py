@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from laneplay.engine.config import NO_REDUCE, PRESENT, ModelConfig
+from laneplay.engine.runtime import PREFILL_CHUNK
 from laneplay.engine.sampling import SamplingParams, sample
 
-PREFILL_CHUNK = 512  # prompt tokens per prefill step (default; the runtime record sets it)
 
 
 # ---- RoPE (docs/laneformer.md §6) ----------------------------------------------------------------

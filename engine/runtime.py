@@ -20,6 +20,10 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", *LOWBIT)
 # What "auto" picks on the CPU at world size 1 when the low-bit kernels are built, chosen by measurement
 # (bench/results/lowbit-quality.json and decode-cpu.json): the fastest path whose quality holds.
 CPU_DEFAULT = "int4"
+# Prompt tokens per prefill step. Small enough that a prompt joining running requests stalls them for one
+# short step at a time and that a reused prefix (engine/batch.py PrefixCache) is taken in fine pieces; a
+# prompt chunk is still a float GEMM of 128 rows, which costs about what 512-row ones do on the CPU path.
+PREFILL_CHUNK = 128
 
 
 def parse_dtype(dtype) -> torch.dtype:
@@ -57,7 +61,7 @@ class Runtime:
     threads: int = 1  # intra-op threads per process (each rank gets its share of the cores)
     compile: bool = False  # compile the per-token decode blocks (paid at load, never inside a request)
     kv_budget_bytes: int = 0  # the most KV cache one request may reserve (0: no limit)
-    prefill_chunk: int = 512  # prompt tokens per prefill step (bounds attention memory and how long a stop waits)
+    prefill_chunk: int = PREFILL_CHUNK  # prompt tokens per prefill step (bounds attention memory and how long a stop waits)
     graphs: bool = False  # decode through the static step (`engine.static_step`); captured on CUDA at world size 1
 
     @property
@@ -101,7 +105,7 @@ def default_kv_budget(dev: torch.device) -> int:
 
 def make_runtime(device: str | torch.device | None = "cpu", dtype="float32", world_size: int = 1,
                  compile="auto", threads: int | None = None, kv_budget_gb: float | None = None,
-                 prefill_chunk: int = 512, graphs="auto") -> Runtime:
+                 prefill_chunk: int = PREFILL_CHUNK, graphs="auto") -> Runtime:
     """Validate and resolve the caller's choices into one Runtime.
 
     compile: True / False, or "auto": compiled on CPU at world size 1, where per-op overhead dominates;

@@ -39,6 +39,7 @@ from typing import AsyncIterator, Callable
 
 from laneplay.engine.batch import PrefixCache, Sequence, decode_step, kv_need
 from laneplay.engine.metrics import GenerationMetrics
+from laneplay.engine.runtime import PREFILL_CHUNK
 from laneplay.engine.sampling import SamplingParams
 
 log = logging.getLogger("laneplay.engine")
@@ -127,7 +128,7 @@ class Scheduler:
         self.interactive_reserve = min(interactive_reserve, max_rows - 1)
         self.shared_rows = shared_rows
         runtime = getattr(engine, "runtime", None)
-        self.prefill_budget = prefill_budget or getattr(runtime, "prefill_chunk", 512)
+        self.prefill_budget = prefill_budget or getattr(runtime, "prefill_chunk", PREFILL_CHUNK)
         self.kv_budget = getattr(runtime, "kv_budget_bytes", 0) or 0
         self.on_step: Callable[[int, float], None] | None = None  # (rows, seconds) of each decode step
         self.prefixes = None  # recently prefilled prompts' KV (batched engines): up to a quarter of the budget

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from laneplay.engine.checkpoint import DEFAULT_MODEL
-from laneplay.engine.runtime import DTYPE_CHOICES
+from laneplay.engine.runtime import DTYPE_CHOICES, PREFILL_CHUNK
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-budget-gb", type=float, default=None,
                    help="the most KV cache the running requests may reserve together, in GiB; a request "
                         "waits until its cache fits, and one larger than the budget gets a 400 (default: a fifth of RAM on CPU, 40%% of the GPU on CUDA)")
-    p.add_argument("--prefill-chunk", type=int, default=512,
+    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK,
                    help="prompt tokens per prefill step: how long a joining prompt holds the running requests' "
                         "next token, and the grain at which a repeated prompt's prefix is reused")
     p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly (default: compiled on CPU at world size 1)")
