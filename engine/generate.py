@@ -23,8 +23,8 @@ class TokenLogprob:
     over the whole vocabulary) and the most likely tokens at its position. `text` is the part of the
     sample's text this token wrote: the texts of a sample's tokens concatenate to its text (a token inside
     a multi-byte character writes "" and the one completing it the character; a stop string cuts the token
-    it falls in and drops the ones after). `bytes` are the token's own bytes (UTF-8 of `text` where the
-    edges of the text changed it). `top`: [(id, text, logprob, bytes)], best first; a token's text there is
+    it falls in and drops the ones after). `bytes` are the token's own bytes (the UTF-8 of `text` where a
+    stop string or the start of the text cut the token). `top`: [(id, text, logprob, bytes)], best first; a token's text there is
     its piece alone (invalid UTF-8 shown as U+FFFD)."""
     token_id: int
     text: str
@@ -246,7 +246,9 @@ class TextSide:
             whole = raw.decode("utf-8")
         except UnicodeDecodeError:  # part of a character: its bytes complete the ones around it
             return list(raw)
-        return list(raw) if whole == t.text else list(t.text.encode())
+        # its text may begin with what earlier tokens left unfinished; a cut (stop string, the leading space a
+        # sentencepiece decode drops) makes the token's bytes those of its text
+        return list(raw) if t.text.endswith(whole) else list(t.text.encode())
 
     def close(self) -> list[GenerationEvent]:
         """The token side ended early (cancelled, timed out): close what is open."""

@@ -108,13 +108,13 @@ REFUSED = {
     "tool_choice": (lambda v: v in (None, "none", "auto"), "tool calling"),
     "function_call": (lambda v: v in (None, "none", "auto"), "function calling"),
     "response_format": (lambda v: v is None or v == {"type": "text"}, "structured output (only {\"type\": \"text\"})"),
-    "audio": (_off, "audio output"),
+    "audio": (lambda v: v is None, "audio output"),
     "modalities": (lambda v: v is None or v == ["text"], "output modalities other than text"),
-    "prediction": (_off, "predicted outputs"),
-    "web_search_options": (_off, "web search"),
+    "prediction": (lambda v: v is None, "predicted outputs"),
+    "web_search_options": (lambda v: v is None, "web search"),
     "reasoning_effort": (lambda v: v is None, "reasoning settings (the model does not reason separately)"),
     "verbosity": (lambda v: v is None, "verbosity settings"),
-    "moderation": (_off, "moderation"),
+    "moderation": (lambda v: v is None, "moderation"),
     "suffix": (lambda v: v is None or v == "", "a suffix (insertion)"),
 }
 
