@@ -373,8 +373,10 @@ class RowSampler:
         most likely tokens, best first); None when the request did not ask for them."""
         if self.last is None:
             return None
-        chosen, ids, top = (t.tolist() for t in self.last)
-        return [(c, list(zip(i, t))) for c, i, t in zip(chosen, ids, top)]
+        chosen, ids, top = self.last
+        k = ids.shape[-1]
+        rows = torch.cat([chosen.double().unsqueeze(-1), ids.double(), top.double()], -1).tolist()  # one transfer
+        return [(r[0], [(int(i), t) for i, t in zip(r[1:1 + k], r[1 + k:])]) for r in rows]
 
 
 def _sample_rows(logits: Tensor, params: SamplingParams, generators: list[torch.Generator]) -> Tensor:
