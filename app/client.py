@@ -48,6 +48,24 @@ class StreamEvent:
     # "done": the server's laneplay record of the whole request (or None)
     timing: dict | None = None
     usage: dict | None = None  # "done": the usage record, when the server sends one
+    # "delta": the tokens whose text it carries, when the request asked for logprobs (`tokens_of`)
+    tokens: list[dict] | None = None
+
+
+def tokens_of(logprobs) -> list[dict] | None:
+    """A choice's `logprobs` in either of OpenAI's shapes (chat: {"content": [...]}, completions: {"tokens",
+    "token_logprobs", "top_logprobs"}) as [{"token", "logprob", "top": [{"token", "logprob"}]}]; None when
+    the choice carries none."""
+    if not isinstance(logprobs, dict):
+        return None
+    if "content" in logprobs:
+        return [{"token": t.get("token", ""), "logprob": t.get("logprob"),
+                 "top": [{"token": a.get("token", ""), "logprob": a.get("logprob")} for a in t.get("top_logprobs") or []]}
+                for t in logprobs.get("content") or [] if isinstance(t, dict)]
+    tops = logprobs.get("top_logprobs") or []
+    return [{"token": t, "logprob": lp,
+             "top": [{"token": k, "logprob": v} for k, v in ((tops[i] if i < len(tops) else None) or {}).items()]}
+            for i, (t, lp) in enumerate(zip(logprobs.get("tokens") or [], logprobs.get("token_logprobs") or []))]
 
 
 class EngineClient:
@@ -141,7 +159,8 @@ class EngineClient:
                     text = choice.get("text") or ""
                 index = int(choice.get("index", 0))
                 yield StreamEvent("delta", index=index, text=text, position=None,
-                                  timing={"finish_reason": choice.get("finish_reason"), "server": finished.get(index)})
+                                  timing={"finish_reason": choice.get("finish_reason"), "server": finished.get(index)},
+                                  tokens=tokens_of(choice.get("logprobs")))
         yield StreamEvent("done", timing=timing, usage=usage)
 
     @staticmethod

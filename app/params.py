@@ -63,10 +63,27 @@ def max_tokens_bound(info: dict | None) -> int:
     return max(int(context) - 1, 1) if isinstance(context, int) and context > 1 else limits.MAX_TOKENS
 
 
+PENALTIES = ("frequency_penalty", "presence_penalty", "repetition_penalty")  # the Sampling panel's, in order
+
+
+def penalties(frequency_penalty=None, presence_penalty=None, repetition_penalty=None) -> dict:
+    """Checked penalties as the engine API takes them; empty or neutral values (0, 0, 1) are left out."""
+    out = {}
+    if frequency_penalty not in (None, ""):
+        out["frequency_penalty"] = number("Frequency penalty", frequency_penalty, limits.MIN_PENALTY, limits.MAX_PENALTY)
+    if presence_penalty not in (None, ""):
+        out["presence_penalty"] = number("Presence penalty", presence_penalty, limits.MIN_PENALTY, limits.MAX_PENALTY)
+    if repetition_penalty not in (None, ""):
+        out["repetition_penalty"] = number("Repetition penalty", repetition_penalty, 0, limits.MAX_REPETITION_PENALTY,
+                                           lo_open=True)
+    neutral = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0}
+    return {k: v for k, v in out.items() if v != neutral[k]}
+
+
 def sampling(temperature, top_p, top_k, max_tokens, seed, stop_text, info: dict | None = None, *,
-             min_p=None, n=None) -> dict:
+             min_p=None, n=None, frequency_penalty=None, presence_penalty=None, repetition_penalty=None) -> dict:
     """Checked sampling parameters as the engine API takes them. `info`: the engine's (its context bounds
-    max_tokens); `min_p` and `n` are checked when given."""
+    max_tokens); `min_p`, `n` and the penalties are checked when given."""
     out = {"temperature": number("Temperature", temperature, limits.MIN_TEMPERATURE, limits.MAX_TEMPERATURE),
            "top_p": number("Top-p", top_p, 0, 1, lo_open=True),
            "top_k": number("Top-k", top_k if top_k not in (None, "") else 0, 0, limits.MAX_TOP_K, integer=True),
@@ -78,4 +95,5 @@ def sampling(temperature, top_p, top_k, max_tokens, seed, stop_text, info: dict 
     if seed not in (None, ""):
         out["seed"] = number("Seed", seed, 0, limits.MAX_SEED, integer=True)
     out["stop"] = parse_stops(stop_text)
+    out.update(penalties(frequency_penalty, presence_penalty, repetition_penalty))
     return out

@@ -7,15 +7,19 @@ from dataclasses import asdict, dataclass, field, fields
 
 import gradio as gr
 
+from laneplay.app import tokenview
 from laneplay.app.context import AppContext, InputError, check_texts, request_body, sampling
 from laneplay.app.meter import MeterData, render
+from laneplay.app.params import PENALTIES
 from laneplay.app.quota import Limited
 from laneplay.app.stream import Column, Generation, Pages, Ticket
 from laneplay.storage import NotFound, ValidationError
 
 MODES = [("Complete the code in the editor", "complete"), ("Chat: instruction + code as context", "chat")]
 EXAMPLE_CODE = "def is_palindrome(s: str) -> bool:\n"
-SAMPLING_INPUTS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stops")  # Generate's, in order
+# Generate's, in order
+SAMPLING_INPUTS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stops", *PENALTIES, "show_tokens")
+STORED_PARAMS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", *PENALTIES)  # the session keeps
 EXAMPLE_INSTRUCTION = "Write a Python function is_palindrome(s) that ignores case and non-alphanumeric characters."
 
 
@@ -82,13 +86,22 @@ class View:
     # the meter record of this page's last run; `batch_1`: measured here, one sample alone (Side by side's
     # reference), unlike a record History or a fork put back
     last: dict = field(default_factory=dict)
+    tokens: str = field(default_factory=lambda: tokenview.render([]))  # the token view (#token-view)
 
     def row(self) -> tuple:
         return tuple(getattr(self, f.name) for f in fields(self))
 
 
 def view(col: Column, sid, problem: str = "") -> View:
-    return View(col.text, render(col.meter), error_html(problem), sid, {**asdict(col.meter), "batch_1": True})
+    return View(col.text, render(col.meter), error_html(problem), sid, {**asdict(col.meter), "batch_1": True},
+                tokenview.render(col.tokens))
+
+
+def with_logprobs(body: dict, chat: bool) -> dict:
+    """The request asks for each token's log-probability and its top alternatives (the token view)."""
+    if chat:
+        return {**body, "logprobs": True, "top_logprobs": tokenview.TOP_LOGPROBS}
+    return {**body, "logprobs": tokenview.TOP_LOGPROBS}
 
 
 class Playground:
@@ -97,11 +110,12 @@ class Playground:
     def __init__(self, ctx: AppContext):
         self.ctx, self.pages = ctx, Pages()
 
-    async def generate(self, code_text, instruction_text, mode_value, temp, tp, tk, mt, sd, stop_text, sid,
-                       request: gr.Request):
+    async def generate(self, code_text, instruction_text, mode_value, temp, tp, tk, mt, sd, stop_text, fp, pp, rp,
+                       show_tokens, sid, request: gr.Request):
         try:  # everything is checked first: a bad value is a message, nothing stored, nothing sent
             code_text, instruction_text = check_texts(code_text, instruction_text, mode_value)
-            params = sampling(temp, tp, tk, mt, sd, stop_text, self.ctx.engine.info)  # max tokens: its context
+            params = sampling(temp, tp, tk, mt, sd, stop_text, self.ctx.engine.info,  # max tokens: its context
+                              frequency_penalty=fp, presence_penalty=pp, repetition_penalty=rp)
             owner = admit_generation(self.ctx, request)
         except (InputError, Limited) as e:
             bad = MeterData(state="error", note="limited" if isinstance(e, Limited) else "invalid input")
@@ -110,15 +124,18 @@ class Playground:
         ticket = self.pages.begin(page_key(self.ctx, request))
         try:
             async with aclosing(self._generate(ticket, code_text, instruction_text, mode_value, params, sid,
-                                               owner)) as views:
+                                               owner, bool(show_tokens))) as views:
                 async for v in views:
                     yield v.row()
         finally:
             ticket.end()
 
-    async def _generate(self, ticket: Ticket, code_text, instruction_text, mode_value, params, sid, owner):
+    async def _generate(self, ticket: Ticket, code_text, instruction_text, mode_value, params, sid, owner,
+                        show_tokens: bool = True):
         ctx = self.ctx
         body, chat = request_body(mode_value, code_text, instruction_text, params, None)
+        if show_tokens:
+            body = with_logprobs(body, chat)
         g = Generation.of(1)
         col = g.columns[0]
         async for _ in g.run(ctx, [(None, body, chat)], ticket.wanted):
@@ -140,8 +157,7 @@ class Playground:
     def _store(self, sid, owner, code_text, instruction_text, params, col: Column) -> str:
         """The generation and the editor state it came from, in the session (created on first use)."""
         record = {**col.stored(0), "seed": params.get("seed"), "temperature": params["temperature"]}
-        stored_params = {k: params[k] for k in ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop")
-                         if k in params}
+        stored_params = {k: params[k] for k in STORED_PARAMS if k in params}
         info = self.ctx.engine.info or {}
         return save_batch(self.ctx, sid, owner, code_text, instruction_text, info, [record],
                           params=stored_params)[0]
@@ -184,6 +200,15 @@ def _sampling_ui() -> dict:
             ui["seed"] = gr.Number(value=0, label="Seed", precision=0, elem_id="seed", interactive=True, min_width=80)
         ui["stops"] = gr.Textbox(value="", label="Stop strings (one per line; \\n for a newline)", lines=1,
                                  max_lines=4, elem_id="stop-strings", interactive=True)
+        with gr.Row():  # against loops: OpenAI's penalties over the output, and the multiplicative one over it all
+            ui["frequency_penalty"] = gr.Slider(-2.0, 2.0, value=0.0, step=0.05, label="Frequency penalty",
+                                                elem_id="frequency-penalty", interactive=True)
+            ui["presence_penalty"] = gr.Slider(-2.0, 2.0, value=0.0, step=0.05, label="Presence penalty",
+                                               elem_id="presence-penalty", interactive=True)
+            ui["repetition_penalty"] = gr.Number(value=1.0, label="Repetition penalty (1 = off)", step=0.05,
+                                                 elem_id="repetition-penalty", interactive=True, min_width=80)
+        ui["show_tokens"] = gr.Checkbox(value=True, label="Token view: each token's probability and its alternatives",
+                                        elem_id="show-tokens", interactive=True)
     return ui
 
 
@@ -209,10 +234,11 @@ def build(ctx: AppContext, session_id: gr.State) -> dict:
             error = gr.HTML(error_html(""), elem_id="error-box")
             output = gr.Code(value="", language="python", label="Output", elem_id="output", interactive=False,
                              lines=16, max_lines=40, wrap_lines=True)  # a long line wraps, indentation kept
+            tokens = gr.HTML(tokenview.render([]), elem_id="token-view-box")
             share_box = gr.HTML("", elem_id="share-box")
     last = gr.State({})  # the meter record of this page's last run (Side by side's batch-1 reference)
     generate.click(tab.generate, [code, instruction, mode, *(knobs[k] for k in SAMPLING_INPUTS), session_id],
-                   [output, meter, error, session_id, last], concurrency_limit=None, api_name="generate",
+                   [output, meter, error, session_id, last, tokens], concurrency_limit=None, api_name="generate",
                    show_progress="hidden", trigger_mode="multiple")
     stop.click(tab.stop, None, None, api_name="stop", show_progress="hidden", queue=False)
     insert.click(lambda out, cur: out if out.strip() else cur, [output, code], [code], api_name="insert",

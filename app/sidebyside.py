@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import gradio as gr
 
-from laneplay.app import playground
+from laneplay.app import playground, tokenview
 from laneplay.app.checks import SandboxMissing, check_code, sandbox_status
 from laneplay.app.context import AppContext, InputError, check_texts, request_body, sampling
 from laneplay.app.meter import MeterData, of_stored, render
@@ -274,9 +274,10 @@ class Frame:
         texts = [cols[i].text if i < self.n else gr.update() for i in shown]
         meters = [render(cols[i].meter, f"sbs-meter-{i}", compact=True) if i < self.n else gr.update() for i in shown]
         results = [result_html(i) if self.fresh else gr.update() for i in shown]
+        tokens = [tokenview.render(cols[i].tokens, f"sbs-token-view-{i}") if i < self.n else gr.update() for i in shown]
         return (*texts, *meters, playground.error_html(self.problem, "sbs-error"),
                 self.agg if self.agg is not None else gr.update(), self.sid,
-                self.run if self.run is not None else gr.update(), *results)
+                self.run if self.run is not None else gr.update(), *results, *tokens)
 
 
 class SideBySide:
@@ -311,9 +312,10 @@ class SideBySide:
     async def _generate(self, ticket: Ticket, runs: dict, owner, shared: dict, col_settings: list[dict], single_ms):
         g, n, sid = Generation([Column(s) for s in col_settings]), runs["n"], runs["sid"]
 
-        def plan(info):
-            return engine_requests(info.get("laneplay", True) is not False, runs["mode"], runs["code"],
-                                   runs["instruction"], shared, col_settings)
+        def plan(info):  # every column's tokens with their probabilities (its token view)
+            return [(col, playground.with_logprobs(body, chat), chat) for col, body, chat in
+                    engine_requests(info.get("laneplay", True) is not False, runs["mode"], runs["code"],
+                                    runs["instruction"], shared, col_settings)]
 
         fresh = True
         async for _ in g.run(self.ctx, plan, ticket.wanted):
@@ -425,6 +427,7 @@ def _column_ui(i: int) -> dict:
             ui["use"] = gr.Button("Use this", elem_id=f"sbs-use-{i}", size="sm", min_width=80)
             ui["test"] = gr.Button("Run tests", elem_id=f"sbs-test-{i}", size="sm", min_width=80)
         ui["result"] = gr.HTML(result_html(i), elem_id=f"sbs-result-box-{i}")
+        ui["tokens"] = gr.HTML(tokenview.render([], f"sbs-token-view-{i}"), elem_id=f"sbs-token-view-box-{i}")
     return ui
 
 
@@ -479,7 +482,7 @@ def build(ctx: AppContext, session_id: gr.State, pg: dict, tabs: gr.Tabs) -> dic
     ui["generate"].click(tab.generate, [pg["code"], pg["instruction"], pg["mode"], ui["ncols"], ui["max_tokens"],
                                         ui["stops"], *per_column, session_id, pg["last"]],
                          [*[c["out"] for c in cols], *[c["meter"] for c in cols], error, agg, session_id, run_state,
-                          *[c["result"] for c in cols]],
+                          *[c["result"] for c in cols], *[c["tokens"] for c in cols]],
                          concurrency_limit=None, api_name="side_by_side", trigger_mode="multiple", **quiet)
     ui["stop"].click(tab.stop, None, None, api_name="side_by_side_stop", queue=False, **quiet)
     for i, c in enumerate(cols):

@@ -127,6 +127,7 @@ class Column:
     finish: str | None = None  # the engine's finish reason; "cancelled" when Stop ended it
     server: dict | None = None  # the engine's timing of this choice, once sent
     prompt_tokens: int = 0
+    tokens: list[dict] = field(default_factory=list)  # with logprobs: its tokens (app.client.tokens_of), in order
 
     def take_server(self, t: dict, request: dict | None = None) -> None:
         """The engine's timing is the final word on speed: it replaces the app's (`request`: the
@@ -192,6 +193,7 @@ class Generation:
             elif ev.kind == "delta":
                 t = self.timer.on_delta(i, ev.text, (ev.timing or {}).get("finish_reason"))
                 c.text += ev.text
+                c.tokens += ev.tokens or []
                 c.finish = t.finish_reason or c.finish
                 m.tokens, m.tps, m.ttft_ms, m.ms_per_token, m.latencies_ms = \
                     t.tokens, t.decode_tps, t.ttft_ms, t.ms_per_token, t.latencies_ms

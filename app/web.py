@@ -276,7 +276,8 @@ def create_app(ctx: AppContext) -> FastAPI:
     app.mount(STATIC_URL, StaticFiles(directory=static_dir()), name="laneplay-static")
     head = (f'<link rel="stylesheet" href="{STATIC_URL}/laneplay.css">'
             f'<link rel="stylesheet" href="{STATIC_URL}/passn.css">'
-            f'<script src="{STATIC_URL}/meter.js" defer></script><script src="{STATIC_URL}/passn.js" defer></script>')
+            f'<script src="{STATIC_URL}/meter.js" defer></script><script src="{STATIC_URL}/passn.js" defer></script>'
+            f'<script src="{STATIC_URL}/tokenview.js" defer></script>')
     return gr.mount_gradio_app(app, demo, path="/", head=head, theme=THEME, footer_links=[],
                                css=".lp-title{font-size:18px;padding:2px 0}")
 

@@ -384,7 +384,7 @@ def decode_speed(name: str, cfg: ModelConfig, weights: dict, dev, bw: dict, step
                                     "fused_rope": runner.static.fused_rope,
                                     "triton_gemv": {str(k): v[1] for k, v in runner.static.gemv.items()}}
             params = SamplingParams(max_tokens=steps, temperature=0.0).validate()
-            stamps = [t for _, t in runner.token_steps(ids[0].tolist(), params, [0], set())]
+            stamps = [t for _, t, _ in runner.token_steps(ids[0].tolist(), params, [0], set())]
             gaps = sorted(b - a for a, b in zip(stamps[1:], stamps[2:]))  # the first gap holds the capture
             step_ms = gaps[len(gaps) // 2] * 1e3
             note("engine loop (graph + pick + id to host), median", step_ms)

@@ -16,7 +16,7 @@ import torch
 
 from laneplay.engine.generate import GenerationEvent, TextSide
 from laneplay.engine.model import request_kv_bytes
-from laneplay.engine.sampling import SamplingParams, make_generators, sample_seeds
+from laneplay.engine.sampling import RowSampler, SamplingParams, sample_seeds
 
 
 def kv_need(engine, ids: list[int], params: SamplingParams) -> int:
@@ -25,12 +25,12 @@ def kv_need(engine, ids: list[int], params: SamplingParams) -> int:
 
 
 class Sequence:
-    """One request's rows: prefill, KV cache and position, generators, text side."""
+    """One request's rows: prefill, KV cache and position, sampler (generators, penalties' history), text side."""
 
     def __init__(self, engine, ids: list[int], params: SamplingParams, t_start: float, prefixes=None):
         self.runner, self.ids, self.params, self.n = engine.runner, ids, params, params.n
         self.seeds = sample_seeds(params)
-        self.generators = make_generators(self.seeds, self.runner.device)
+        self.sampler = RowSampler(params, self.seeds, ids, self.runner.device)
         self.eos_ids = engine.eos_ids
         self.text = TextSide(params, self.seeds, engine.tokenizer, self.eos_ids, len(ids), str(engine.device),
                              engine.world_size, t_start)
@@ -59,9 +59,9 @@ class Sequence:
 
     def _take(self, logits) -> list[GenerationEvent]:
         """Sample this sequence's rows from their logits [n, V] and turn the tokens into events."""
-        tokens = self.runner.pick(logits, self.params, self.generators)
+        tokens = self.runner.pick(logits, self.sampler)
         host = tokens.tolist()  # the one host sync per sequence and step; streaming needs the ids anyway
-        events = self.text.feed(host, time.perf_counter())
+        events = self.text.feed(host, time.perf_counter(), self.sampler.host_logprobs())
         self.produced += 1
         if not self.params.ignore_eos:
             self._rows_done = [d or t in self.eos_ids for d, t in zip(self._rows_done, host)]

@@ -50,7 +50,7 @@ from laneplay.engine.config import ModelConfig
 from laneplay.engine.model import LaneModel
 from laneplay.engine.runner import LocalRunner
 from laneplay.engine.runtime import Runtime
-from laneplay.engine.sampling import SamplingParams, sample
+from laneplay.engine.sampling import RowSampler, SamplingParams
 from laneplay.processes import die_with_parent, free_port
 
 
@@ -184,15 +184,16 @@ class DistLanes:
         self.stopped = self.stopped or bool(flag.item() > 0)
         return self.stopped
 
-    def pick(self, local: Tensor, params: SamplingParams, generators) -> Tensor:
-        """The per-step gather: per-shard top-1 when every row is greedy, otherwise whole logits and
-        `sample` (which handles rows with different settings). Every rank samples the same token with
-        the same seeded generators. Rank 0's stop flag rides along, so all ranks leave the loop at the
-        same step."""
+    def pick(self, local: Tensor, sampler: RowSampler) -> Tensor:
+        """The per-step gather: per-shard top-1 when every row is greedy on the raw logits (no bias, no
+        penalty, no logprobs), otherwise whole logits and the request's sampler (which handles rows with
+        different settings). Every rank samples the same token with the same seeded generators and the
+        same token history. Rank 0's stop flag rides along, so all ranks leave the loop at the same step."""
+        params = sampler.params
         t0 = time.perf_counter()
         flag = torch.tensor([1.0 if self.rank == 0 and self.stop_requested() else 0.0], device=local.device)
         n = local.shape[0]
-        if params.greedy and not self.full_logits:
+        if params.greedy and not self.full_logits and not sampler.needs_logits:
             best, idx = local.max(-1)
             payload = torch.cat([best, (idx + self.rows.start).float(), flag])
             parts = [torch.empty_like(payload) for _ in range(self.world)]
@@ -203,7 +204,7 @@ class DistLanes:
             flags = table[:, -1]
         else:
             logits, flags = self.gather_logits(local, flag)
-            tokens = sample(logits, params, generators)
+            tokens = sampler(logits)
         self.stopped = bool(flags.sum().item() > 0)
         if self.record:
             self._note_pick(t0)
@@ -255,9 +256,10 @@ class Rank:
     def generate(self, rid, ids, params: SamplingParams, seeds, eos_ids):
         self.request_id = rid
         self.comm.begin_request()
-        for host, t in self.runner.token_steps(ids, params, seeds, eos_ids, should_stop=lambda: self.comm.stopped):
+        for host, t, logprobs in self.runner.token_steps(ids, params, seeds, eos_ids,
+                                                         should_stop=lambda: self.comm.stopped):
             if self.rank == 0:
-                self.conn.send(("tokens", rid, host, t))
+                self.conn.send(("tokens", rid, host, t, logprobs))
         timelines = None
         if self.comm.record:  # every rank's summary to rank 0 (all ranks leave the loop at the same step)
             timelines = [None] * self.comm.world if self.rank == 0 else None
@@ -544,7 +546,7 @@ class DTPRunner:
         return torch.from_numpy(self._recv()[1])
 
     def token_steps(self, ids, params, seeds, eos_ids, should_stop=None):
-        """Rank 0's (tokens, time) stream for one request; stopping early cancels it on all ranks."""
+        """Rank 0's (tokens, time, logprobs) stream for one request; stopping early cancels it on all ranks."""
         rid = next(self._ids)
         self._send(("generate", rid, ids, asdict(params), seeds, sorted(eos_ids)))
         cancel_sent = finished = False
@@ -563,7 +565,7 @@ class DTPRunner:
                     self.last_timeline, finished = self._timeline(msg[2]), True
                     return
                 if msg[0] == "tokens" and msg[1] == rid:
-                    yield msg[2], msg[3]
+                    yield msg[2], msg[3], msg[4]
         finally:
             if not finished and not self._failure:  # the consumer stopped early: stop the ranks too
                 if not cancel_sent:

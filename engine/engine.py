@@ -81,6 +81,9 @@ class Engine:
         ids = prompt_ids(self.tokenizer, prompt, chat)
         if any(not 0 <= t < self.cfg.vocab_size for t in ids):
             raise ValueError(f"prompt token ids must lie in [0, {self.cfg.vocab_size})")
+        outside = sorted(t for t in params.logit_bias or {} if t >= self.cfg.vocab_size)
+        if outside:
+            raise ValueError(f"logit_bias names token {outside[0]}, outside the vocabulary [0, {self.cfg.vocab_size})")
         check_context(len(ids), params, self.cfg.max_position_embeddings)
         self.check_kv_budget(len(ids) + params.max_tokens, params.n)
         return ids, params

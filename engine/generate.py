@@ -14,7 +14,23 @@ from typing import Callable, Iterator
 import torch
 
 from laneplay.engine.metrics import GenerationMetrics
-from laneplay.engine.sampling import SamplingParams, make_generators
+from laneplay.engine.sampling import RowSampler, SamplingParams
+
+
+@dataclass
+class TokenLogprob:
+    """One token of a sample's text with its log-probability (see `engine.sampling`: the model's log-softmax
+    over the whole vocabulary) and the most likely tokens at its position. `text` is the part of the
+    sample's text this token wrote: the texts of a sample's tokens concatenate to its text (a token inside
+    a multi-byte character writes "" and the one completing it the character; a stop string cuts the token
+    it falls in and drops the ones after). `bytes` are the token's own bytes (the UTF-8 of `text` where a
+    stop string or the start of the text cut the token). `top`: [(id, text, logprob, bytes)], best first; a token's text there is
+    its piece alone (invalid UTF-8 shown as U+FFFD)."""
+    token_id: int
+    text: str
+    logprob: float
+    bytes: list[int]
+    top: list[tuple[int, str, float, list[int]]]
 
 
 @dataclass
@@ -24,6 +40,9 @@ class GenerationEvent:
     token_ids: list[int]  # new token ids since the previous event of this sample
     finish_reason: str | None  # None while running; "stop" (EOS or stop string) or "length" at the end
     metrics: GenerationMetrics
+    # with params.logprobs: the tokens whose text this event (and the ones before) released, in order;
+    # over a whole sample they concatenate to its text (an EOS token writes no text and is not listed)
+    logprobs: list[TokenLogprob] | None = None
 
 
 class StopMatcher:
@@ -68,6 +87,8 @@ class _Sample:
     t_last: float | None = None
     finish_reason: str | None = None
     pending_ids: list[int] = field(default_factory=list)
+    ledger: list[TokenLogprob] = field(default_factory=list)  # tokens whose text is not released yet
+    unassigned: int = 0  # released characters not yet given to a token of the ledger
 
 
 def prompt_ids(tokenizer, prompt, chat: bool) -> list[int]:
@@ -93,27 +114,32 @@ def check_context(n_prompt: int, params: SamplingParams, context: int) -> None:
                          f"context of {context} tokens; shorten the prompt or lower max_tokens")
 
 
+Step = tuple[list[int], float, list | None]  # one token per sample, when, their logprobs (RowSampler.host_logprobs)
+
+
 def token_steps(runner, ids: list[int], params: SamplingParams, eos_ids: set[int], seeds: list[int],
-                should_stop: Callable[[], bool] | None = None) -> Iterator[tuple[list[int], float]]:
-    """The token side of a request: yields (one new token per sample, time it was produced).
+                should_stop: Callable[[], bool] | None = None) -> Iterator[Step]:
+    """The token side of a request: yields (one new token per sample, time it was produced, their logprobs
+    when the request asks for them).
 
     `runner` provides `prefill(ids [1, S], n, max_seq_len, should_stop) -> X | None` (None: stopped
-    between prefill chunks), `decode_step(tokens [n, 1], pos) -> X` and `pick(X, params, generators)
-    -> tokens [n]` (X: logits, or per-rank shards under DTP; row i is sampled with sample i's settings).
+    between prefill chunks), `decode_step(tokens [n, 1], pos) -> X` and `pick(X, sampler) -> tokens [n]`
+    (X: logits, or per-rank shards under DTP; `sampler`: the request's `RowSampler`, row i sampled with
+    sample i's settings).
     Stops when every sample hit EOS, at max_tokens, or when `should_stop()` says so (checked between
     prefill chunks and after every token).
     """
     n = params.n
-    generators = make_generators(seeds, runner.device)
+    sampler = RowSampler(params, seeds, ids, runner.device)
     x = runner.prefill(torch.tensor([ids], dtype=torch.long, device=runner.device), n, len(ids) + params.max_tokens,
                        should_stop)
     if x is None:
         return
     done = [False] * n
     for step in range(params.max_tokens):
-        tokens = runner.pick(x, params, generators)  # [n], on device
+        tokens = runner.pick(x, sampler)  # [n], on device
         host = tokens.tolist()  # the one host sync per step; streaming needs the ids anyway
-        yield host, time.perf_counter()
+        yield host, time.perf_counter(), sampler.host_logprobs()
         if not params.ignore_eos:
             done = [d or t in eos_ids for d, t in zip(done, host)]
         if all(done) or step == params.max_tokens - 1 or (should_stop is not None and should_stop()):
@@ -124,12 +150,13 @@ def token_steps(runner, ids: list[int], params: SamplingParams, eos_ids: set[int
 class TextSide:
     """The text side of one request, fed one step at a time: incremental detokenization, stop strings,
     finish reasons and timing per sample (each sample's metrics also say its seed and sampling
-    settings). `feed` takes a step's tokens (one per sample) and returns the events they make;
-    `close` ends what is still open as "cancelled"."""
+    settings). `feed` takes a step's tokens (one per sample) and, when the request asks for logprobs, theirs;
+    it returns the events they make; `close` ends what is still open as "cancelled"."""
 
     def __init__(self, params: SamplingParams, seeds: list[int], tokenizer, eos_ids: set[int], prompt_tokens: int,
                  device: str, world_size: int, t_start: float):
         self.params, self.eos_ids, self.t_start, self.step = params, eos_ids, t_start, 0
+        self.tokenizer = tokenizer
         self.samples = [
             _Sample(i, s, tokenizer.stream(), StopMatcher(params.stop),
                     GenerationMetrics(prompt_tokens=prompt_tokens, device=device, world_size=world_size, seed=s,
@@ -141,7 +168,7 @@ class TextSide:
     def done(self) -> bool:
         return all(s.finish_reason for s in self.samples)
 
-    def feed(self, host: list[int], now: float) -> list[GenerationEvent]:
+    def feed(self, host: list[int], now: float, logprobs: list | None = None) -> list[GenerationEvent]:
         params, out = self.params, []
         last_step = self.step == params.max_tokens - 1
         self.step += 1
@@ -154,20 +181,74 @@ class TextSide:
             s.metrics.completion_tokens += 1
             s.pending_ids.append(tok)
             if tok in self.eos_ids and not params.ignore_eos:
-                text, s.finish_reason = s.stop.feed(s.decoder.flush())[0] + s.stop.flush(), "stop"
+                tail = s.decoder.flush()  # text still held belongs to the tokens before EOS, which writes none
+                self._write(s, tail)
+                text, s.finish_reason = s.stop.feed(tail)[0] + s.stop.flush(), "stop"
             else:
-                text, hit = s.stop.feed(s.decoder.push(tok))
+                piece = s.decoder.push(tok)
+                if logprobs is not None:
+                    s.ledger.append(self._token(tok, piece, *logprobs[s.index]))
+                text, hit = s.stop.feed(piece)
                 if hit:
                     s.finish_reason = "stop"
                 elif last_step:
-                    text += s.stop.feed(s.decoder.flush())[0] + s.stop.flush()
+                    tail = s.decoder.flush()
+                    self._write(s, tail)
+                    text += s.stop.feed(tail)[0] + s.stop.flush()
                     s.finish_reason = "length"
             if text or s.finish_reason:
                 s.metrics.finish_reason = s.finish_reason
                 s.metrics.update_timing(self.t_start, s.t_first, s.t_last)
-                out.append(GenerationEvent(s.index, text, s.pending_ids, s.finish_reason, replace(s.metrics)))
+                released = self._release(s, len(text)) if logprobs is not None else None
+                out.append(GenerationEvent(s.index, text, s.pending_ids, s.finish_reason, replace(s.metrics),
+                                           released))
                 s.pending_ids = []
         return out
+
+    # -- logprobs: which token wrote which text --
+    def _token(self, tok: int, piece: str, logprob: float, top: list) -> TokenLogprob:
+        alternatives = [(i, *self._piece(i), lp) for i, lp in top]
+        return TokenLogprob(tok, piece, logprob, [], [(i, text, lp, raw) for i, text, raw, lp in alternatives])
+
+    def _piece(self, tok: int) -> tuple[str, list[int]]:
+        raw = self.tokenizer.token_bytes(tok)
+        return raw.decode("utf-8", "replace"), list(raw)
+
+    @staticmethod
+    def _write(s: _Sample, tail: str) -> None:
+        """Text the decoder released only at the end belongs to the last token that has not written yet."""
+        if tail and s.ledger:
+            s.ledger[-1].text += tail
+
+    def _release(self, s: _Sample, chars: int) -> list[TokenLogprob]:
+        """The ledger's tokens whose text the released `chars` (and what came before) cover. A token that
+        wrote nothing yet (inside a character) waits for the next one while the sample runs; at the end, a
+        stop string cuts the token it falls in and drops the rest."""
+        s.unassigned += chars
+        out = []
+        while s.ledger and len(s.ledger[0].text) <= s.unassigned and (
+                s.ledger[0].text or len(s.ledger) > 1 or s.finish_reason):
+            s.unassigned -= len(s.ledger[0].text)
+            out.append(s.ledger.pop(0))
+        if s.finish_reason:
+            if s.ledger and s.unassigned:
+                cut = s.ledger[0]
+                cut.text, s.unassigned = cut.text[:s.unassigned], 0
+                out.append(cut)
+            s.ledger.clear()
+        for t in out:
+            t.bytes = self._bytes(t)
+        return out
+
+    def _bytes(self, t: TokenLogprob) -> list[int]:
+        raw = self.tokenizer.token_bytes(t.token_id)
+        try:
+            whole = raw.decode("utf-8")
+        except UnicodeDecodeError:  # part of a character: its bytes complete the ones around it
+            return list(raw)
+        # its text may begin with what earlier tokens left unfinished; a cut (stop string, the leading space a
+        # sentencepiece decode drops) makes the token's bytes those of its text
+        return list(raw) if t.text.endswith(whole) else list(t.text.encode())
 
     def close(self) -> list[GenerationEvent]:
         """The token side ended early (cancelled, timed out): close what is open."""
@@ -179,14 +260,14 @@ class TextSide:
         return out
 
 
-def stream_events(steps: Iterator[tuple[list[int], float]], params: SamplingParams, seeds: list[int], tokenizer,
+def stream_events(steps: Iterator[Step], params: SamplingParams, seeds: list[int], tokenizer,
                   eos_ids: set[int], prompt_tokens: int, device: str, world_size: int,
                   t_start: float) -> Iterator[GenerationEvent]:
     """The text side over a whole token stream (see `TextSide`)."""
     text = TextSide(params, seeds, tokenizer, eos_ids, prompt_tokens, device, world_size, t_start)
     try:
-        for host, now in steps:
-            yield from text.feed(host, now)
+        for host, now, logprobs in steps:
+            yield from text.feed(host, now, logprobs)
             if text.done:
                 return
         yield from text.close()

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from laneplay.engine.config import NO_REDUCE, PRESENT, ModelConfig
 from laneplay.engine.runtime import PREFILL_CHUNK
-from laneplay.engine.sampling import SamplingParams, sample
+from laneplay.engine.sampling import RowSampler
 
 
 
@@ -175,8 +175,8 @@ class LocalLanes:
         """The head's output is already the whole vocabulary here."""
         return logits, None
 
-    def pick(self, logits: Tensor, params: SamplingParams, generators) -> Tensor:
-        return sample(logits, params, generators)
+    def pick(self, logits: Tensor, sampler: RowSampler) -> Tensor:
+        return sampler(logits)
 
     def note_step(self, start: float, end: float) -> None:
         """A decode step's span (the DTP runtime records them for its timeline)."""

@@ -16,7 +16,7 @@ from torch import Tensor
 from laneplay.engine.generate import token_steps
 from laneplay.engine.model import KVPrefix, LaneModel
 from laneplay.engine.runtime import Runtime
-from laneplay.engine.sampling import SamplingParams
+from laneplay.engine.sampling import RowSampler, SamplingParams
 
 
 class LocalRunner:
@@ -66,8 +66,8 @@ class LocalRunner:
         return out
 
     @torch.inference_mode()
-    def pick(self, logits: Tensor, params: SamplingParams, generators) -> Tensor:
-        return self.comm.pick(logits, params, generators)
+    def pick(self, logits: Tensor, sampler: RowSampler) -> Tensor:
+        return self.comm.pick(logits, sampler)
 
     # -- several requests at once (the scheduler's iteration-level batches) --
     @property
@@ -111,7 +111,7 @@ class LocalRunner:
     # -- whole requests --
     def token_steps(self, ids: list[int], params: SamplingParams, seeds: list[int], eos_ids: set[int],
                     should_stop: Callable[[], bool] | None = None) -> Iterator[tuple[list[int], float]]:
-        """(one new token per sample, time) per step; the KV cache is freed when the request ends."""
+        """(one new token per sample, time, logprobs or None) per step; the KV cache is freed when the request ends."""
         try:
             yield from token_steps(self, ids, params, eos_ids, seeds, should_stop)
         finally:

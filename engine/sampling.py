@@ -1,10 +1,23 @@
-"""Sampling parameters and the one sampling function (greedy, temperature, top-k, top-p, min-p).
+"""Sampling parameters and the one sampling function (penalties and bias, then greedy, temperature, top-k,
+top-p, min-p), and the log-probabilities a request may ask for.
 
 Each sample of a request owns a `torch.Generator` seeded from (request seed, sample index), so a
 sample is reproducible on its own and independent of the others in its batch, and the DTP runtime
 (which samples on rank 0 from gathered logits) draws exactly the same tokens. A request may also give
 each sample its own temperature, top-p, top-k, min-p and seed (`SamplingParams.samples`); rows with the
 same settings are still sampled as one batch.
+
+Before any of that, each row's logits are adjusted, in this order (vLLM's): `logit_bias` is added (token id ->
+bias); `repetition_penalty` r (transformers' / llama.cpp's / vLLM's multiplicative form) divides the positive
+logits and multiplies the negative ones of every token in the prompt or the output so far; then
+`frequency_penalty` f and `presence_penalty` p (OpenAI's definitions) subtract `f * count + p * (count > 0)`,
+count being how often the token occurs in this row's output so far. Greedy rows take the argmax of the
+adjusted logits. The history the penalties read lives in a `TokenHistory` per request (the runner keeps it
+beside the generators, in `RowSampler`), so a row's tokens do not depend on its batch.
+
+Log-probabilities (`logprobs`) are OpenAI's: the model's log-softmax over the whole vocabulary of the raw
+logits, before bias, penalties, temperature and truncation -- what the model thinks of each token, not the
+distribution the token was drawn from.
 """
 from __future__ import annotations
 
@@ -14,12 +27,16 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from laneplay.limits import MAX_N, MAX_SEED, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_TEMPERATURE, MIN_TEMPERATURE
+from laneplay.limits import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_N, MAX_PENALTY, MAX_REPETITION_PENALTY,
+                             MAX_SEED, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_TEMPERATURE, MAX_TOP_LOGPROBS,
+                             MIN_PENALTY, MIN_TEMPERATURE)
 
 # Temperatures below this are greedy: dividing by them would overflow float32 (1e-38 is inf), and the
 # distribution they describe is already the argmax to within float precision.
 GREEDY_TEMPERATURE = 1e-5
-SAMPLE_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed")  # what one sample of a batch may set
+# what one sample of a batch may set
+SAMPLE_KEYS = ("temperature", "top_p", "top_k", "min_p", "seed", "frequency_penalty", "presence_penalty",
+               "repetition_penalty")
 
 
 def _is_int(v) -> bool:
@@ -38,6 +55,12 @@ _RULES = (
     ("top_k", lambda v: _is_int(v) and v >= 0, "must be an integer >= 0 (0 = off)"),
     ("min_p", lambda v: _is_num(v) and 0 <= v <= 1, "must be in [0, 1]"),
     ("seed", lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_SEED), "must be an integer in [0, 2^63)"),
+    ("frequency_penalty", lambda v: _is_num(v) and MIN_PENALTY <= v <= MAX_PENALTY,
+     f"must be in [{MIN_PENALTY:g}, {MAX_PENALTY:g}]"),
+    ("presence_penalty", lambda v: _is_num(v) and MIN_PENALTY <= v <= MAX_PENALTY,
+     f"must be in [{MIN_PENALTY:g}, {MAX_PENALTY:g}]"),
+    ("repetition_penalty", lambda v: _is_num(v) and 0 < v <= MAX_REPETITION_PENALTY,
+     f"must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off)"),
 )
 
 
@@ -53,6 +76,9 @@ class SampleSettings:
     top_k: int | None = None  # 0 = off
     min_p: float | None = None  # 0 = off
     seed: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
 
 
 @dataclass
@@ -66,6 +92,11 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     n: int = 1
     ignore_eos: bool = False
+    frequency_penalty: float = 0.0  # OpenAI's: minus f x (times the token occurs in the output so far)
+    presence_penalty: float = 0.0  # OpenAI's: minus p once the token occurs in the output
+    repetition_penalty: float = 1.0  # multiplicative, over prompt + output (1 = off)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (request-wide)
+    logprobs: int | None = None  # None: none; k >= 0: each token's log-probability and its k most likely alternatives
     # Per-sample settings (sample i is samples[i]); n is then len(samples). max_tokens, stop, ignore_eos stay shared.
     samples: list[SampleSettings] | None = None
 
@@ -103,6 +134,16 @@ class SamplingParams:
                 need(value is None or ok(value), f"samples[{i}].{name} {what}, got {value!r}")
         need(self.samples is None or self.n == len(self.samples),
              f"n ({self.n}) must equal the number of samples ({len(self.samples or [])}); leave n out when giving samples")
+        if self.logit_bias is not None:
+            bias = self.logit_bias
+            need(isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS_TOKENS,
+                 f"logit_bias must be an object of at most {MAX_LOGIT_BIAS_TOKENS} token id -> bias entries")
+            for tok, b in bias.items():
+                need(_is_int(tok) and tok >= 0, f"logit_bias keys must be token ids (integers >= 0), got {tok!r}")
+                need(_is_num(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS,
+                     f"logit_bias values must be in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {b!r} for token {tok}")
+        need(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
+             f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         need(isinstance(self.stop, (list, tuple)) and len(self.stop) <= MAX_STOP_STRINGS,
@@ -120,12 +161,27 @@ class SamplingParams:
         return [tuple(mine if mine is not None else req for mine, req in
                       zip((s.temperature, s.top_p, s.top_k, s.min_p), own)) for s in self.samples]
 
+    def penalties(self) -> list[tuple[float, float, float]]:
+        """(frequency_penalty, presence_penalty, repetition_penalty) of each of the n samples."""
+        own = (self.frequency_penalty, self.presence_penalty, self.repetition_penalty)
+        if not self.samples:
+            return [own] * self.n
+        return [tuple(mine if mine is not None else req for mine, req in
+                      zip((s.frequency_penalty, s.presence_penalty, s.repetition_penalty), own)) for s in self.samples]
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Some row's logits are changed before sampling (bias or a penalty)."""
+        return bool(self.logit_bias) or any(f or p or r != 1 for f, p, r in self.penalties())
+
     def for_sample(self, i: int) -> "SamplingParams":
         """Sample i's settings as the params of a request of its own (n=1, no per-sample list, request seed)."""
         if not self.samples:
             return replace(self, n=1)
         t, p, k, m = self.settings()[i]
-        return replace(self, temperature=t, top_p=p, top_k=k, min_p=m, n=1, samples=None)
+        f, pr, r = self.penalties()[i]
+        return replace(self, temperature=t, top_p=p, top_k=k, min_p=m, frequency_penalty=f, presence_penalty=pr,
+                       repetition_penalty=r, n=1, samples=None)
 
     @property
     def greedy(self) -> bool:
@@ -195,13 +251,73 @@ def _top_p_drop(logits: Tensor, top_p: float) -> Tensor:
     return torch.ones_like(logits, dtype=torch.bool).scatter(-1, order, drop_ranked)
 
 
-def sample(logits: Tensor, params: SamplingParams, generators: list[torch.Generator]) -> Tensor:
+class TokenHistory:
+    """What the penalties read, per row of one request: the tokens seen in prompt + output (repetition_penalty)
+    and how often each occurs in the output (frequency_penalty, presence_penalty). Only what the request's
+    penalties need is kept; the tensors ([rows, vocab]) are made at the first step, where the logits' width
+    and device are known, and updated on device (no host sync)."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: list[int]):
+        pens = params.penalties()
+        self.prompt = list(prompt_ids)
+        self.wants_seen = any(r != 1 for _, _, r in pens)
+        self.wants_counts = any(f or p for f, p, _ in pens)
+        self.seen: Tensor | None = None  # bool [n, V]
+        self.counts: Tensor | None = None  # float32 [n, V]
+
+    def ready(self, logits: Tensor) -> "TokenHistory":
+        n, V = logits.shape
+        if self.wants_seen and self.seen is None:
+            self.seen = torch.zeros(n, V, dtype=torch.bool, device=logits.device)
+            ids = torch.tensor([t for t in self.prompt if 0 <= t < V], dtype=torch.long, device=logits.device)
+            self.seen[:, ids] = True
+        if self.wants_counts and self.counts is None:
+            self.counts = torch.zeros(n, V, dtype=torch.float32, device=logits.device)
+        return self
+
+    def add(self, tokens: Tensor) -> None:
+        """One new token per row (tokens [n])."""
+        rows = torch.arange(tokens.shape[0], device=tokens.device)
+        if self.seen is not None:
+            self.seen[rows, tokens] = True
+        if self.counts is not None:
+            self.counts[rows, tokens] += 1
+
+
+def adjust_logits(logits: Tensor, params: SamplingParams, history: TokenHistory | None) -> Tensor:
+    """logit_bias, then repetition, frequency and presence penalties, row by row (row b is sample b of
+    `params`). logits [n, V] -> float32 [n, V] (a new tensor)."""
+    logits = logits.float().clone()
+    V = logits.shape[-1]
+    if params.logit_bias:
+        items = [(t, b) for t, b in params.logit_bias.items() if t < V]
+        ids = torch.tensor([t for t, _ in items], dtype=torch.long, device=logits.device)
+        logits[:, ids] += torch.tensor([float(b) for _, b in items], dtype=torch.float32, device=logits.device)
+    if history is None:
+        return logits
+    history.ready(logits)
+    pens = params.penalties()
+    column = lambda values: torch.tensor(values, dtype=torch.float32, device=logits.device).unsqueeze(-1)  # noqa: E731
+    if history.seen is not None:
+        r = column([r for _, _, r in pens])
+        logits = torch.where(history.seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    if history.counts is not None:
+        counts = history.counts
+        logits = logits - column([f for f, _, _ in pens]) * counts - column([p for _, p, _ in pens]) * (counts > 0)
+    return logits
+
+
+def sample(logits: Tensor, params: SamplingParams, generators: list[torch.Generator],
+           history: TokenHistory | None = None) -> Tensor:
     """Next token per row. logits [B, V] -> [B] (greedy when temperature is 0).
 
-    With per-sample settings (B == len(params.samples)), rows that share settings are processed as one
-    batch and greedy rows take the argmax; each row draws with its own generator, so a row's token is the
-    one it would get alone.
+    Bias and penalties first (`adjust_logits`; the penalties read `history`, which the caller updates with
+    the tokens). With per-sample settings (B == len(params.samples)), rows that share settings are
+    processed as one batch and greedy rows take the argmax; each row draws with its own generator, so a
+    row's token is the one it would get alone.
     """
+    if params.adjusts_logits:
+        logits = adjust_logits(logits, params, history)
     if not params.samples:
         return _sample_rows(logits, params, generators)
     groups: dict[tuple, list[int]] = {}
@@ -214,6 +330,53 @@ def sample(logits: Tensor, params: SamplingParams, generators: list[torch.Genera
         idx = torch.tensor(rows, device=logits.device)
         out[idx] = _sample_rows(logits[idx], params.for_sample(rows[0]), [generators[b] for b in rows])
     return out
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The log-probability of each row's token and the row's k most likely tokens with theirs: the model's
+    log-softmax over the whole vocabulary of the raw logits [n, V]. -> (chosen [n], top ids [n, k], top [n, k])."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(-1, tokens.view(-1, 1)).squeeze(-1)
+    top, ids = torch.topk(lp, min(k, lp.shape[-1]), dim=-1)
+    return chosen, ids, top
+
+
+class RowSampler:
+    """One request's sampling across its steps: its params, each row's seeded generator, the token history
+    the penalties read, and (when the request asks for logprobs) the last step's log-probabilities.
+    Calling it with a step's whole-vocabulary logits [n, V] gives that step's tokens [n]."""
+
+    def __init__(self, params: SamplingParams, seeds: list[int], prompt_ids: list[int], device):
+        self.params = params
+        self.generators = make_generators(seeds, device)
+        self.history = TokenHistory(params, prompt_ids)
+        if not (self.history.wants_seen or self.history.wants_counts):
+            self.history = None
+        self.last: tuple[Tensor, Tensor, Tensor] | None = None
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether a step needs the whole-vocabulary logits even where every row is greedy (DTP ranks can
+        otherwise agree on an argmax from per-shard maxima)."""
+        return self.params.adjusts_logits or self.params.logprobs is not None
+
+    def __call__(self, logits: Tensor) -> Tensor:
+        tokens = sample(logits, self.params, self.generators, self.history)
+        if self.history is not None:
+            self.history.add(tokens)
+        if self.params.logprobs is not None:
+            self.last = token_logprobs(logits, tokens, self.params.logprobs)
+        return tokens
+
+    def host_logprobs(self) -> list[tuple[float, list[tuple[int, float]]]] | None:
+        """The last step's log-probabilities on the host, per row: (the token's, [(id, logprob)] of the
+        most likely tokens, best first); None when the request did not ask for them."""
+        if self.last is None:
+            return None
+        chosen, ids, top = self.last
+        k = ids.shape[-1]
+        rows = torch.cat([chosen.double().unsqueeze(-1), ids.double(), top.double()], -1).tolist()  # one transfer
+        return [(r[0], [(int(i), t) for i, t in zip(r[1:1 + k], r[1 + k:])]) for r in rows]
 
 
 def _sample_rows(logits: Tensor, params: SamplingParams, generators: list[torch.Generator]) -> Tensor:

@@ -44,6 +44,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from laneplay.engine.sampling import SAMPLE_KEYS, SamplingParams
+from laneplay.limits import MAX_TOP_LOGPROBS
 from laneplay.engine.scheduler import MAX_ROWS, PRIORITIES, STARTED, Job, Queued, QueueFull, Scheduler
 
 DEFAULT_MAX_TOKENS = 256  # when the request names none (capped by what the context has left)
@@ -73,8 +74,67 @@ _INT, _NUM, _BOOL = ((int,), "an integer"), ((int, float), "a number"), ((bool,)
 _STR, _OBJ = ((str,), "a string"), ((dict,), "an object")
 _JSON_TYPES = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "an array",
                dict: "an object"}
-_SAMPLING_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "stop", "samples")
-_SAMPLE_KINDS = {"temperature": _NUM, "top_p": _NUM, "top_k": _INT, "min_p": _NUM, "seed": _INT}
+_SAMPLING_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "stop", "samples",
+                    "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "logprobs")
+_SAMPLE_KINDS = {"temperature": _NUM, "top_p": _NUM, "top_k": _INT, "min_p": _NUM, "seed": _INT,
+                 "frequency_penalty": _NUM, "presence_penalty": _NUM, "repetition_penalty": _NUM}
+
+# Every field of OpenAI's chat and completions requests (the openai package's completion_create_params), and
+# ours, by what this server does with it (README, "The API's fields", has the table and the tests). A field
+# that is not listed here is a 400 naming it: nothing a client sends is dropped without a word.
+_COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "n", "stop", "seed",
+           "frequency_penalty", "presence_penalty", "logit_bias", "logprobs", "user"}
+_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "ignore_eos", "samples", "laneplay"}
+CHAT_FIELDS = _COMMON | _EXTENSIONS | {"messages", "max_completion_tokens", "top_logprobs", "metadata", "store",
+                                       "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_options",
+                                       "prompt_cache_retention", "parallel_tool_calls", "tools", "tool_choice",
+                                       "functions", "function_call", "response_format", "audio", "modalities",
+                                       "prediction", "web_search_options", "reasoning_effort", "verbosity",
+                                       "moderation"}
+COMPLETION_FIELDS = _COMMON | _EXTENSIONS | {"prompt", "echo", "suffix", "best_of"}
+
+
+def _off(value) -> bool:
+    return value is None or value == [] or value == {} or value is False
+
+
+# Fields that would change the output in a way this server does not do: a 400 naming the field, unless the value
+# asks for nothing (`accepts`). The others of OpenAI's lists either change the output and are honoured, or only
+# describe the caller or OpenAI's service (user, metadata, store, service_tier, safety_identifier, prompt_cache_*)
+# and are accepted as they are; parallel_tool_calls only matters with tools, which are refused.
+REFUSED = {
+    "tools": (_off, "tool calling"),
+    "functions": (_off, "function calling"),
+    "tool_choice": (lambda v: v in (None, "none", "auto"), "tool calling"),
+    "function_call": (lambda v: v in (None, "none", "auto"), "function calling"),
+    "response_format": (lambda v: v is None or v == {"type": "text"}, "structured output (only {\"type\": \"text\"})"),
+    "audio": (lambda v: v is None, "audio output"),
+    "modalities": (lambda v: v is None or v == ["text"], "output modalities other than text"),
+    "prediction": (lambda v: v is None, "predicted outputs"),
+    "web_search_options": (lambda v: v is None, "web search"),
+    "reasoning_effort": (lambda v: v is None, "reasoning settings (the model does not reason separately)"),
+    "verbosity": (lambda v: v is None, "verbosity settings"),
+    "moderation": (lambda v: v is None, "moderation"),
+    "suffix": (lambda v: v is None or v == "", "a suffix (insertion)"),
+}
+
+
+def check_fields(body: dict, chat: bool) -> None:
+    """Refuse a request field this server does not know, or knows and does not do (see REFUSED)."""
+    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for name in body:
+        if name not in known:
+            other = "completions" if chat else "chat completions"
+            hint = f" (it belongs to {other})" if name in (COMPLETION_FIELDS if chat else CHAT_FIELDS) else ""
+            raise APIError(400, f"'{name}' is not a field this server knows{hint}; it was refused rather than "
+                                "ignored.", name, "unknown_parameter")
+        if name in REFUSED and not REFUSED[name][0](body[name]):
+            raise APIError(400, f"'{name}' is not supported by this server: it does not do "
+                                f"{REFUSED[name][1]}.", name, "unsupported_parameter")
+    best_of, n = body.get("best_of"), body.get("n")
+    if best_of is not None and best_of != (1 if n is None else n):
+        raise APIError(400, "'best_of' is not supported by this server: it returns every sample it makes "
+                            "(ask for n choices instead).", "best_of", "unsupported_parameter")
 
 
 def _field(body: dict, name: str, kind, default=None, param: str | None = None):
@@ -97,15 +157,21 @@ class ParsedRequest:
     include_usage: bool
     dtp: dict | None = None  # the "laneplay" extension: {"collectives": str | None, "timeline": bool}
     priority: str = "interactive"  # the "laneplay" extension's "priority": "interactive" | "batch"
+    echo: bool = False  # completions: the prompt comes back in front of each choice's text
 
 
 def parse_request(body, chat: bool) -> ParsedRequest:
-    """Types and shapes of an OpenAI request; ranges are checked by engine.prepare. Unknown fields are ignored."""
+    """Types and shapes of an OpenAI request; ranges are checked by engine.prepare. A field that is not
+    known, or not done, is a 400 naming it (`check_fields`)."""
     if not isinstance(body, dict):
         raise APIError(400, "The request body must be a JSON object.")
-    for name in ("logprobs", "top_logprobs", "echo", "suffix"):  # they would change the response's shape
-        if body.get(name):
-            raise APIError(400, f"'{name}' is not supported by this server.", name, "unsupported_parameter")
+    check_fields(body, chat)
+    logprobs = _logprobs(body, chat)
+    echo = False if chat else _field(body, "echo", _BOOL, False)
+    if echo and logprobs is not None:
+        raise APIError(400, "'echo' with 'logprobs' is not supported by this server: the prompt's log-probabilities "
+                            "would take a second pass over the prompt; ask for one of them.", "echo",
+                       "unsupported_parameter")
     max_tokens = _field(body, "max_completion_tokens", _INT) if chat else None
     if max_tokens is None:
         max_tokens = _field(body, "max_tokens", _INT)
@@ -126,6 +192,11 @@ def parse_request(body, chat: bool) -> ParsedRequest:
         stop=[stop] if isinstance(stop, str) else list(stop or []),
         n=n if n is not None else len(samples) if samples else 1,
         ignore_eos=_field(body, "ignore_eos", _BOOL, False),
+        frequency_penalty=_field(body, "frequency_penalty", _NUM, 0.0),
+        presence_penalty=_field(body, "presence_penalty", _NUM, 0.0),
+        repetition_penalty=_field(body, "repetition_penalty", _NUM, 1.0),
+        logit_bias=_logit_bias(body),
+        logprobs=logprobs,
         samples=samples,
     )
     options = _field(body, "stream_options", _OBJ, {})
@@ -137,7 +208,37 @@ def parse_request(body, chat: bool) -> ParsedRequest:
         include_usage=_field(options, "include_usage", _BOOL, False, param="stream_options.include_usage"),
         dtp=_dtp_settings(body),
         priority=_priority(body),
+        echo=echo,
     )
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives each token reports (None: no logprobs). Chat: `logprobs` (a boolean) and
+    `top_logprobs` (0 to 20, which needs logprobs true); completions: `logprobs` (0 to 20) itself."""
+    if not chat:
+        return _field(body, "logprobs", _INT)  # the range: SamplingParams.validate
+    wanted = _field(body, "logprobs", _BOOL, False)
+    top = _field(body, "top_logprobs", _INT)
+    if top is not None and not wanted:
+        raise APIError(400, "'top_logprobs' needs 'logprobs': true.", "top_logprobs", "invalid_value")
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise APIError(400, f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top}.",
+                       "top_logprobs", "invalid_value")
+    return (top or 0) if wanted else None
+
+
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    """{"token id": bias} (JSON keys are strings) -> {id: bias}; the ranges: SamplingParams.validate."""
+    bias = _field(body, "logit_bias", _OBJ)
+    if bias is None:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise APIError(400, f"'logit_bias' keys must be token ids (decimal integers), got {json.dumps(key)}.",
+                           "logit_bias", "invalid_value")
+        out[int(key)] = _field(bias, key, _NUM, param=f"logit_bias.{key}")
+    return out
 
 
 COLLECTIVES = ("delayed", "wait_now")
@@ -277,14 +378,49 @@ def request_timing(job: Job) -> dict:
             "priority": job.priority, "rows_per_step": _ms(job.rows_per_step), "shared_with": job.sharing}
 
 
-class Reply:
-    """The OpenAI-shaped pieces of one response: completion or chat, whole or streamed."""
+LOGPROB_FLOOR = -9999.0  # OpenAI's figure for a token the model gives no chance (JSON has no -inf)
 
-    def __init__(self, chat: bool, model: str, job: Job, engine):
-        self.chat, self.model, self.job, self.engine = chat, model, job, engine
+
+def _lp(x: float) -> float:
+    return x if math.isfinite(x) else LOGPROB_FLOOR
+
+
+def chat_logprobs(tokens: list) -> dict:
+    """Chat's `choice.logprobs` for some tokens (engine.generate.TokenLogprob)."""
+    return {"content": [{"token": t.text, "logprob": _lp(t.logprob), "bytes": t.bytes,
+                         "top_logprobs": [{"token": s, "logprob": _lp(lp), "bytes": b} for _, s, lp, b in t.top]}
+                        for t in tokens], "refusal": None}
+
+
+def completion_logprobs(tokens: list, offset: int) -> dict:
+    """Completions' `choice.logprobs` for some tokens, the first of them at character `offset` of the choice's text."""
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t.text)
+    return {"tokens": [t.text for t in tokens], "token_logprobs": [_lp(t.logprob) for t in tokens],
+            "top_logprobs": [{s: _lp(lp) for _, s, lp, _ in t.top} for t in tokens], "text_offset": offsets}
+
+
+class Reply:
+    """The OpenAI-shaped pieces of one response: completion or chat, whole or streamed. `echo`: the text in
+    front of each completion choice (the prompt, when the request echoes it)."""
+
+    def __init__(self, chat: bool, model: str, job: Job, engine, echo: str = ""):
+        self.chat, self.model, self.job, self.engine, self.echo = chat, model, job, engine, echo
         self.id = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         self.created = int(time.time())
         self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
+        self.offsets: dict[int, int] = {}  # streamed completions: where each choice's next token starts
+
+    def _logprobs(self, index: int, tokens: list | None):
+        if tokens is None:
+            return None
+        if self.chat:
+            return chat_logprobs(tokens)
+        start = self.offsets.get(index, len(self.echo))
+        self.offsets[index] = start + sum(len(t.text) for t in tokens)
+        return completion_logprobs(tokens, start)
 
     def _envelope(self, obj: str, choices: list) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -305,21 +441,26 @@ class Reply:
                 out["timeline"] = self.job.timeline
         return out
 
-    def chunk(self, index: int, text: str, reason: str | None, first: bool) -> dict:
+    def chunk(self, index: int, text: str, reason: str | None, first: bool, tokens: list | None = None) -> dict:
+        """One streamed delta; `tokens`: its logprobs (engine.generate.TokenLogprob), when asked for."""
+        logprobs = self._logprobs(index, tokens)
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         else:
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+            text = self.echo + text if first else text
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
         return self._envelope(self.chunk_object, [choice])
 
-    def whole(self, texts: list[str], reasons: list[str | None]) -> dict:
+    def whole(self, texts: list[str], reasons: list[str | None], tokens: list[list | None] | None = None) -> dict:
+        tokens = tokens or [None] * len(texts)
+        logprobs = [self._logprobs(i, t) for i, t in enumerate(tokens)]
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
-                        "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons))]
+            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp,
+                        "finish_reason": r} for i, (t, r, lp) in enumerate(zip(texts, reasons, logprobs))]
         else:
-            choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
-                       for i, (t, r) in enumerate(zip(texts, reasons))]
+            choices = [{"index": i, "text": self.echo + t, "logprobs": lp, "finish_reason": r}
+                       for i, (t, r, lp) in enumerate(zip(texts, reasons, logprobs))]
         out = self._envelope("chat.completion" if self.chat else "text_completion", choices)
         out["usage"] = self.usage()
         out["laneplay"] = self.timing()
@@ -350,7 +491,8 @@ async def stream_reply(reply: Reply, n: int, include_usage: bool, scheduler: Sch
                 sharing = reply.job.sharing
                 yield f": laneplay sharing {sharing}\n\n"
             reason = _api_reason(ev.finish_reason)
-            chunk = reply.chunk(ev.sample_index, ev.text, reason, first=ev.sample_index not in started)
+            chunk = reply.chunk(ev.sample_index, ev.text, reason, first=ev.sample_index not in started,
+                                tokens=ev.logprobs)
             started.add(ev.sample_index)
             if include_usage:
                 chunk["usage"] = None
@@ -399,12 +541,15 @@ async def collect_reply(reply: Reply, n: int, request: Request, scheduler: Sched
 
     watcher = asyncio.create_task(watch_disconnect())
     texts, reasons = [[] for _ in range(n)], [None] * n
+    tokens = [[] if reply.job.params.logprobs is not None else None for _ in range(n)]
     try:
         async for ev in reply.job.stream():
             if ev is STARTED or isinstance(ev, Queued):
                 continue
             texts[ev.sample_index].append(ev.text)
             reasons[ev.sample_index] = _api_reason(ev.finish_reason)
+            if ev.logprobs is not None:
+                tokens[ev.sample_index] += ev.logprobs
     except Exception as e:
         raise APIError(500, f"Generation failed: {e}", type="server_error") from e
     finally:
@@ -412,7 +557,7 @@ async def collect_reply(reply: Reply, n: int, request: Request, scheduler: Sched
         scheduler.cancel(reply.job)
     if reply.job.outcome == "dropped":
         raise APIError(503, "The server is shutting down; the request did not run.", type="server_error")
-    return reply.whole(["".join(t) for t in texts], reasons)
+    return reply.whole(["".join(t) for t in texts], reasons, tokens)
 
 
 # ---- metrics -------------------------------------------------------------------------------------
@@ -584,7 +729,8 @@ def create_app(engine, *, api_key: str | None = None, max_queue: int = 32, reque
             retry = str(max(1, math.ceil(scheduler.mean_job_s)))
             raise APIError(429, str(e), code="queue_full", type="rate_limit_error",
                            headers={"Retry-After": retry}) from None
-        reply = Reply(chat, served, job, engine)
+        echo = "" if not req.echo else req.prompt if isinstance(req.prompt, str) else engine.tokenizer.decode(ids)
+        reply = Reply(chat, served, job, engine, echo)
         if req.stream:
             return JobStream(stream_reply(reply, params.n, req.include_usage, scheduler), scheduler, job)
         return JSONResponse(await collect_reply(reply, params.n, request, scheduler))

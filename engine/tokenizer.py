@@ -90,6 +90,9 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         raise NotImplementedError
 
+    def _token_bytes(self, token_id: int) -> bytes:
+        raise NotImplementedError
+
     # --- shared -----------------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
@@ -115,6 +118,14 @@ class Tokenizer:
 
     def stream(self, skip_special_tokens: bool = True) -> "StreamDecoder":
         return StreamDecoder(self, skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for in the middle of a text (a leading-space marker is a space, a
+        byte token its byte, a special token its name); b"" for an id with no token. Cached."""
+        cache = self.__dict__.setdefault("_bytes_of", {})
+        if token_id not in cache:
+            cache[token_id] = self._token_bytes(token_id)
+        return cache[token_id]
 
 
 class StreamDecoder:
@@ -199,6 +210,12 @@ class SentencePieceTokenizer(Tokenizer):
     def id_to_token(self, token_id: int) -> str | None:
         return self.pieces[token_id] if 0 <= token_id < len(self.pieces) else None
 
+    def _token_bytes(self, token_id: int) -> bytes:
+        if not 0 <= token_id < self.vocab_size or self.texts[token_id] is None:
+            return b""
+        b = self.byte_of[token_id]
+        return bytes([b]) if b is not None else self.texts[token_id].encode()
+
     def _encode_text(self, text: str) -> list[int]:
         if self.whole_re is None:
             return self.sp.encode(text)
@@ -258,6 +275,21 @@ class HFTokenizer(Tokenizer):
 
     def _encode_text(self, text: str) -> list[int]:
         return self.tk.encode(text, add_special_tokens=False).ids  # BOS/EOS are added by Tokenizer.encode
+
+    def _token_bytes(self, token_id: int) -> bytes:
+        piece = self.tk.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if "_byte_of_char" not in self.__dict__:  # byte-level vocabularies spell each byte as one character
+            decoder = self.tk.decoder
+            level = decoder is not None and b'"ByteLevel"' in decoder.__getstate__()
+            self._byte_of_char = {c: b for b, c in _bytes_to_unicode().items()} if level else None
+        table = self._byte_of_char
+        if table is not None and all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):  # byte fallback (Llama-style tokenizer.json)
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode()
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tk.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -17,3 +17,11 @@ MAX_SEED = 2**63 - 1  # seeds are in [0, 2^63): a signed 64-bit integer, in SQL 
 MIN_TEMPERATURE, MAX_TEMPERATURE = 0.0, 100.0
 MAX_TOP_K = 2**63 - 1  # the engine takes any integer >= 0 (at or above the vocabulary it is off); storage's column ends here
 MAX_TOKENS = 1 << 20  # no served context is longer: the engine's own bound is the context (prompt + max_tokens)
+# Penalties and bias (engine/sampling.py states what each does). frequency_penalty and presence_penalty take
+# OpenAI's range; repetition_penalty is > 0 and at most this (1: off; > 1 discourages what was seen); each
+# logit_bias entry is a token id -> a bias in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS], at most MAX_LOGIT_BIAS_TOKENS of them.
+MIN_PENALTY, MAX_PENALTY = -2.0, 2.0
+MAX_REPETITION_PENALTY = 10.0
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 1024
+MAX_TOP_LOGPROBS = 20  # alternatives reported per token (top_logprobs; completions' integer logprobs)

@@ -25,6 +25,8 @@ MAX_TOP_K = _engine.MAX_TOP_K
 MAX_SEED = _engine.MAX_SEED          # fits a signed 64-bit SQL integer
 MAX_STOP_SEQUENCES = _engine.MAX_STOP_STRINGS
 MAX_STOP_CHARS = _engine.MAX_STOP_LENGTH
+MIN_PENALTY, MAX_PENALTY = _engine.MIN_PENALTY, _engine.MAX_PENALTY  # frequency and presence penalties
+MAX_REPETITION_PENALTY = _engine.MAX_REPETITION_PENALTY
 
 # Generations
 MAX_OUTPUT_CHARS = 256 * 1024        # one sample's generated text

@@ -139,7 +139,8 @@ def record(field: str, value: Any, names: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-SAMPLING_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n")
+SAMPLING_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "frequency_penalty",
+                   "presence_penalty", "repetition_penalty")
 
 
 def sampling_params(field: str, value: Any) -> dict[str, Any]:
@@ -152,6 +153,10 @@ def sampling_params(field: str, value: Any) -> dict[str, Any]:
         "top_k": lambda v: integer(f"{field}.top_k", v, 0, "MAX_TOP_K"),
         "seed": lambda v: integer(f"{field}.seed", v, 0, "MAX_SEED", optional=True),
         "n": lambda v: integer(f"{field}.n", v, 1, "MAX_SAMPLES"),
+        "frequency_penalty": lambda v: number(f"{field}.frequency_penalty", v, limits.MIN_PENALTY, "MAX_PENALTY"),
+        "presence_penalty": lambda v: number(f"{field}.presence_penalty", v, limits.MIN_PENALTY, "MAX_PENALTY"),
+        "repetition_penalty": lambda v: number(f"{field}.repetition_penalty", v, 0.0, "MAX_REPETITION_PENALTY",
+                                               lo_open=True),
         "stop": lambda v: [text(f"{field}.stop[{i}]", s, "MAX_STOP_CHARS", min_chars=1)
                            for i, s in enumerate(items(f"{field}.stop", v, "MAX_STOP_SEQUENCES"))],
     }

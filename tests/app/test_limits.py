@@ -32,13 +32,19 @@ CASES = [
     ("stop", [S] * limits.MAX_STOP_STRINGS, True, ""),
     ("stop", [S] * (limits.MAX_STOP_STRINGS + 1), False, str(limits.MAX_STOP_STRINGS)),
     ("stop", ["y" * (limits.MAX_STOP_LENGTH + 1)], False, str(limits.MAX_STOP_LENGTH)),
+    *[(name, value, ok, bound) for name in ("frequency_penalty", "presence_penalty") for value, ok, bound in
+      [(limits.MIN_PENALTY - 0.01, False, "-2"), (limits.MIN_PENALTY, True, ""), (0.0, True, ""),
+       (limits.MAX_PENALTY, True, ""), (limits.MAX_PENALTY + 0.01, False, "2"), (math.nan, False, "2")]],
+    ("repetition_penalty", 0.0, False, "0"), ("repetition_penalty", 1e-6, True, ""),
+    ("repetition_penalty", 1.0, True, ""), ("repetition_penalty", limits.MAX_REPETITION_PENALTY, True, ""),
+    ("repetition_penalty", limits.MAX_REPETITION_PENALTY + 0.01, False, "10"),
 ]
 
 
 def page_verdict(name, value) -> tuple[bool, str]:
     args = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_tokens": 16, "seed": None, "stop_text": ""}
     extra = {}
-    if name in ("min_p", "n"):
+    if name in ("min_p", "n", "frequency_penalty", "presence_penalty", "repetition_penalty"):
         extra[name] = value
     elif name == "stop":
         args["stop_text"] = "\n".join(value)
@@ -78,3 +84,5 @@ def test_storage_keeps_whatever_the_engine_accepted():
             stored.MAX_SAMPLES, stored.MAX_TOP_K) == (limits.MAX_SEED, limits.MAX_TEMPERATURE, limits.MAX_STOP_STRINGS,
                                                       limits.MAX_STOP_LENGTH, limits.MAX_N, limits.MAX_TOP_K)
     assert stored.MAX_TOKENS >= CONTEXT
+    assert (stored.MIN_PENALTY, stored.MAX_PENALTY, stored.MAX_REPETITION_PENALTY) == \
+        (limits.MIN_PENALTY, limits.MAX_PENALTY, limits.MAX_REPETITION_PENALTY)

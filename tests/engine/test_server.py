@@ -334,6 +334,7 @@ BAD = [  # (path, raw body, status, param)
     ("/v1/completions", '{"prompt": "x", "laneplay": {"priority": "later"}}', 400, "laneplay.priority"),
     ("/v1/completions", '{"prompt": "x", "laneplay": {"priority": 1}}', 400, "laneplay.priority"),
     ("/v1/completions", '{"prompt": "x", "laneplay": {"priorty": "batch"}}', 400, "laneplay.priorty"),
+    ("/v1/completions", '{"prompt": "x", "unknown_field": {"a": 1}}', 400, "unknown_field"),  # refused, not ignored
 ]
 
 
@@ -347,7 +348,7 @@ def test_bad_requests_get_clear_4xx_and_the_server_keeps_serving(server):
         assert http.post("/v1/completions", json={"prompt": "x", "model": "nope"}).json()["error"]["code"] == \
             "model_not_found"
         assert http.get("/v1/models/nope").status_code == 404
-        ok = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "unknown_field": {"a": 1}})
+        ok = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "user": "u-1"})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
 
 

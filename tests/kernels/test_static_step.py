@@ -91,7 +91,7 @@ def test_engine_with_the_static_step_generates_the_same_text(tmp_path):
     def tokens(eng, **kw):
         params = SamplingParams(max_tokens=14, **kw)
         ids, params = eng.prepare("abc", params)
-        return [t for t, _ in eng.runner.token_steps(ids, params, [11, 12, 13], eng.eos_ids)]
+        return [t for t, _, _ in eng.runner.token_steps(ids, params, [11, 12, 13], eng.eos_ids)]
 
     for kw in ({"temperature": 0.0}, {"temperature": 0.9, "n": 3, "seed": 4}):
         assert tokens(static, **kw) == tokens(plain, **kw)
@@ -119,6 +119,6 @@ def test_dtp_ranks_decode_through_the_static_step(tmp_path):
         for kw in ({"temperature": 0.0}, {"temperature": 0.8, "n": 3, "seed": 2}):
             params = SamplingParams(max_tokens=12, **kw)  # prompt 3 + 12 tokens: the ring of 8 wraps
             ids, params = single.prepare("xyz", params)
-            want = [t for t, _ in single.runner.token_steps(ids, params, [5, 6, 7], single.eos_ids)]
-            got = [t for t, _ in dtp.runner.token_steps(ids, params, [5, 6, 7], dtp.eos_ids)]
+            want = [t for t, _, _ in single.runner.token_steps(ids, params, [5, 6, 7], single.eos_ids)]
+            got = [t for t, _, _ in dtp.runner.token_steps(ids, params, [5, 6, 7], dtp.eos_ids)]
             assert got == want, kw
