@@ -307,9 +307,10 @@ class Rewind:
             raise ValueError(f"cannot keep {n} of {self.S} verified positions")
         if n == self.S:
             return
-        for i, idx, k, v in self.saved:
-            self.cache.k[i].index_copy_(2, idx[n:], k[:, :, n:])
-            self.cache.v[i].index_copy_(2, idx[n:], v[:, :, n:])
+        with torch.inference_mode():  # the caches are inference tensors
+            for i, idx, k, v in self.saved:
+                self.cache.k[i].index_copy_(2, idx[n:], k[:, :, n:])
+                self.cache.v[i].index_copy_(2, idx[n:], v[:, :, n:])
 
 
 def kv_cache_bytes(cfg: ModelConfig, n_lanes: int, batch: int, max_seq_len: int, element_size: int) -> int:
@@ -594,8 +595,8 @@ class LaneModel(nn.Module):
             raise ValueError(f"positions {pos}..{pos + S - 1} are beyond the KV cache of {cache.max_seq_len} positions")
         if B != cache.batch:
             raise ValueError(f"a cache of {cache.batch} sequences cannot verify {B} rows")
-        rewind = Rewind(cache, pos, S)
         with torch.inference_mode():
+            rewind = Rewind(cache, pos, S)
             if self.fused_step is not None and B == 1 and pos + S <= min(cache.slots):
                 logits = self.fused_step.groups(tokens.reshape(S, 1), [(pos + j, cache) for j in range(S)])
                 return logits.unsqueeze(0), rewind
