@@ -113,10 +113,15 @@ class Speculation:
             reason = "off by request"
         if reason is None and params.n != 1:
             reason = "n > 1: the samples of one request share a position"
+        one = params.for_sample(0) if params.n == 1 else params
+        self.greedy = is_greedy(one.temperature, one.top_k)
+        if reason is None and mode == "auto" and not self.greedy:
+            # sampling stays exact in distribution, but a seed then draws other tokens than it does in a
+            # request of n samples; "auto" keeps a seeded sample the same at any n, "lookup" trades that away
+            reason = "auto speculates greedy requests only (a seeded sample keeps its tokens at any n)"
         self.reason = reason
         self.active = reason is None
-        self.params = params.for_sample(0) if self.active else params
-        self.greedy = is_greedy(self.params.temperature, self.params.top_k)
+        self.params = one
         self.lookup = Lookup(ids) if self.active else None
         self.control = Controller(mode)
         self.draft_tokens = self.accepted_tokens = 0
