@@ -15,6 +15,7 @@ BENCHMARKS = {
     "prefill": "laneplay.bench.prefill",  # long prompts: TTFT and prompt tokens/s vs transformers
     "batching": "laneplay.bench.batching",  # many users on one engine: shared step cost, concurrent TTFT
     "serving": "laneplay.bench.serving",  # open-loop arrivals at several loads, ours vs llama-server
+    "spec": "laneplay.bench.spec",  # prompt-lookup speculation on code edits and plain completions
 }
 ALL = ("decode", "dtp", "prefill")  # what `laneplay bench` runs without a name
 QUICK = {"decode": ["--rounds", "1", "--new-tokens", "16", "--ours", "eager", "--half", "", "--lowbit", "int4",
@@ -24,7 +25,8 @@ QUICK = {"decode": ["--rounds", "1", "--new-tokens", "16", "--ours", "eager", "-
          "prefill": ["--rounds", "1", "--lengths", "512", "--dtypes", "int4"],
          "batching": ["--rows", "1,4", "--users", "1,4", "--tokens", "16", "--join-tokens", "300",
                       "--passn-problems", "1"],
-         "serving": ["--loads", "2", "--requests", "4"]}
+         "serving": ["--loads", "2", "--requests", "4"],
+         "spec": ["--edits", "4", "--plain", "1", "--tokens", "48", "--plain-tokens", "16"]}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

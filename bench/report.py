@@ -146,11 +146,27 @@ def gpu_tables(d: dict) -> str:
     return "\n".join(lines)
 
 
+def spec_table(d: dict) -> str:
+    """bench/spec.py's run: prompt-lookup speculation on code edits and plain completions."""
+    lines = [f"Speculative decoding by prompt lookup ({d.get('model')}, {d.get('dtype')}, greedy), speculation off "
+             f"vs auto in one run, {_head(d)}; x = the median of each prompt's decode tokens/s ratio:", "",
+             "| set | prompts | off tok/s | auto tok/s | median x | min x | acceptance | tokens/step | same tokens |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, label in (("edits", "edits (HumanEval)"), ("plain", "plain completions")):
+        r = d.get(name)
+        if r:
+            lines.append(f"| {label} | {r['prompts']} | {_f(r.get('median_off_tps'), '.1f')} | "
+                         f"{_f(r.get('median_on_tps'), '.1f')} | {_f(r.get('median_speedup'), '.2f')} | "
+                         f"{_f(r.get('min_speedup'), '.2f')} | {_f(r.get('acceptance'), '.2f')} | "
+                         f"{_f(r.get('tokens_per_step'), '.2f')} | {r['same_tokens']}/{r['prompts']} |")
+    return "\n".join(lines)
+
+
 def report(folder: Path = RESULTS) -> str:
     parts = []
     for name, render in (("decode-cpu.json", decode_tables), ("lowbit-quality.json", quality_tables),
                          ("dtp-cpu.json", dtp_table), ("batching.json", batching_tables),
-                         ("serving.json", serving_table), ("gpu-check.json", gpu_tables)):
+                         ("serving.json", serving_table), ("spec.json", spec_table), ("gpu-check.json", gpu_tables)):
         path = Path(folder) / name
         if path.is_file():
             parts.append(render(json.loads(path.read_text())))

@@ -17,6 +17,8 @@ import torch
 from laneplay.engine.generate import GenerationEvent, TextSide
 from laneplay.engine.model import request_kv_bytes
 from laneplay.engine.sampling import RowSampler, SamplingParams, sample_seeds
+from laneplay.engine.speculative import plan as plan_speculation
+from laneplay.engine.speculative import room
 
 
 def kv_need(engine, ids: list[int], params: SamplingParams) -> int:
@@ -27,13 +29,15 @@ def kv_need(engine, ids: list[int], params: SamplingParams) -> int:
 class Sequence:
     """One request's rows: prefill, KV cache and position, sampler (generators, penalties' history), text side."""
 
-    def __init__(self, engine, ids: list[int], params: SamplingParams, t_start: float, prefixes=None):
+    def __init__(self, engine, ids: list[int], params: SamplingParams, t_start: float, prefixes=None,
+                 speculative: str = "auto"):
         self.runner, self.ids, self.params, self.n = engine.runner, ids, params, params.n
         self.seeds = sample_seeds(params)
         self.sampler = RowSampler(params, self.seeds, ids, self.runner.device)
         self.eos_ids = engine.eos_ids
+        self.spec = plan_speculation(speculative, self.runner, ids, params)
         self.text = TextSide(params, self.seeds, engine.tokenizer, self.eos_ids, len(ids), str(engine.device),
-                             engine.world_size, t_start)
+                             engine.world_size, t_start, self.spec)
         self.kv_bytes = kv_need(engine, ids, params)
         self._prefill, self.reused = self.runner.prefill_steps(ids, self.n, len(ids) + params.max_tokens, prefixes)
         self.cache = self.tokens = None
@@ -60,16 +64,41 @@ class Sequence:
     def _take(self, logits) -> list[GenerationEvent]:
         """Sample this sequence's rows from their logits [n, V] and turn the tokens into events."""
         tokens = self.runner.pick(logits, self.sampler)
-        host = tokens.tolist()  # the one host sync per sequence and step; streaming needs the ids anyway
-        events = self.text.feed(host, time.perf_counter(), self.sampler.host_logprobs())
-        self.produced += 1
-        if not self.params.ignore_eos:
-            self._rows_done = [d or t in self.eos_ids for d, t in zip(self._rows_done, host)]
-        if all(self._rows_done) or self.produced == self.params.max_tokens or self.text.done:
-            self._release()
-        else:
-            self.tokens = tokens.view(self.n, 1)
+        if self.produced:
+            self.spec.steps += 1
+        # the one host sync per sequence and step; streaming needs the ids anyway
+        return self._feed([tokens.tolist()], [self.sampler.host_logprobs()])
+
+    def _feed(self, steps: list[list[int]], logprobs: list | None = None) -> list[GenerationEvent]:
+        """Tokens of this step (one list of n per token position, in order) -> events. logprobs: per
+        position, its log-probabilities when the request asks for them (`RowSampler`)."""
+        events, now = [], time.perf_counter()
+        for j, host in enumerate(steps):
+            events += self.text.feed(host, now, logprobs[j] if logprobs else None)
+            self.produced += 1
+            self.spec.produced(host)
+            if not self.params.ignore_eos:
+                self._rows_done = [d or t in self.eos_ids for d, t in zip(self._rows_done, host)]
+            if all(self._rows_done) or self.produced == self.params.max_tokens or self.text.done:
+                self._release()
+                return events
+        self.tokens = torch.tensor(steps[-1], device=self.runner.device).view(self.n, 1)
         return events
+
+    def drafts(self) -> list[int]:
+        """This step's prompt-lookup drafts (empty: it takes a plain row of the shared step)."""
+        return self.spec.drafts(room(self.spec, self.produced, self.params.max_tokens, self.cache))
+
+    def verify(self, drafts: list[int]) -> list[GenerationEvent]:
+        """The speculating step: its last token and drafts in one forward of its own; keeps what the model
+        agrees with (engine/speculative.py) and rolls back the rest of the cache."""
+        logits, rewind = self.runner.verify(torch.cat([self.tokens.view(1, 1), torch.tensor(
+            [drafts], device=self.runner.device)], dim=1), self.pos, self.cache)
+        out = self.spec.accept(logits[0], drafts, self.sampler.generators[0])
+        rewind.keep(len(out))
+        self.pos += len(out)
+        self.spec.steps += 1
+        return self._feed([[t] for t in out], self.sampler.position_logprobs(logits[0], out))
 
     def cancel(self) -> list[GenerationEvent]:
         """Stopped from outside (client gone, Stop, time limit): close the open samples as "cancelled"."""
@@ -84,15 +113,24 @@ class Sequence:
 
 
 def decode_step(runner, seqs: list[Sequence]) -> list[list[GenerationEvent]]:
-    """One token for every row of every (decoding) sequence, in one forward; each sequence's events."""
-    tokens = torch.cat([s.tokens for s in seqs]) if len(seqs) > 1 else seqs[0].tokens
-    logits = runner.decode_groups(tokens, [(s.pos, s.cache) for s in seqs])
-    out, a = [], 0
+    """One step for every (decoding) sequence; each sequence's events. A sequence with prompt-lookup
+    drafts this step runs its verify as its own forward (its drafts, its position); every other row gets
+    one token in one shared forward. Either way a sequence's tokens are the ones it gets alone."""
+    drafts = {id(s): s.drafts() for s in seqs}
+    plain = [s for s in seqs if not drafts[id(s)]]
+    events: dict[int, list[GenerationEvent]] = {}
+    if plain:
+        tokens = torch.cat([s.tokens for s in plain]) if len(plain) > 1 else plain[0].tokens
+        logits = runner.decode_groups(tokens, [(s.pos, s.cache) for s in plain])
+        a = 0
+        for s in plain:
+            s.pos += 1
+            events[id(s)] = s._take(logits[a:a + s.n])
+            a += s.n
     for s in seqs:
-        s.pos += 1
-        out.append(s._take(logits[a:a + s.n]))
-        a += s.n
-    return out
+        if drafts[id(s)]:
+            events[id(s)] = s.verify(drafts[id(s)])
+    return [events[id(s)] for s in seqs]
 
 
 class PrefixCache:

@@ -22,6 +22,7 @@ from laneplay.engine.generate import GenerationEvent, check_context, prompt_ids,
 from laneplay.engine.model import request_kv_bytes
 from laneplay.engine.runtime import Runtime
 from laneplay.engine.sampling import SamplingParams, sample_seeds
+from laneplay.engine.speculative import plan as plan_speculation
 
 
 class Engine:
@@ -101,16 +102,22 @@ class Engine:
                              f"lower n or max_tokens{hint}")
 
     def generate(self, prompt, params: SamplingParams | None = None, chat: bool = False,
-                 should_stop=None, **overrides) -> Iterator[GenerationEvent]:
-        """Stream GenerationEvents (text deltas per sample). Bad input raises before any work."""
+                 should_stop=None, speculative: str = "auto", **overrides) -> Iterator[GenerationEvent]:
+        """Stream GenerationEvents (text deltas per sample). Bad input raises before any work.
+        speculative: "auto" (prompt-lookup drafts where they pay), "lookup" (always draft), "off"
+        (engine/speculative.py); the metrics say what ran and its draft/accepted counts."""
         t_start = time.perf_counter()
         if overrides:
             params = replace(params or SamplingParams(), **overrides)
         ids, params = self.prepare(prompt, params, chat)
+        spec = plan_speculation(speculative, self.runner, ids, params)
         seeds = sample_seeds(params)
-        steps = self.runner.token_steps(ids, params, seeds, self.eos_ids, should_stop)
+        if spec.active:
+            steps = self.runner.token_steps(ids, params, seeds, self.eos_ids, should_stop, spec=spec)
+        else:
+            steps = self.runner.token_steps(ids, params, seeds, self.eos_ids, should_stop)
         return stream_events(steps, params, seeds, self.tokenizer, self.eos_ids, len(ids), str(self.device),
-                             self.world_size, t_start)
+                             self.world_size, t_start, spec)
 
     def request_settings(self, collectives: str | None = None, timeline: bool = False):
         """A context manager around one request's generation on a DTP engine: its collectives

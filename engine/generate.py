@@ -15,6 +15,7 @@ import torch
 
 from laneplay.engine.metrics import GenerationMetrics
 from laneplay.engine.sampling import RowSampler, SamplingParams
+from laneplay.engine.speculative import note as note_speculation
 
 
 @dataclass
@@ -118,7 +119,7 @@ Step = tuple[list[int], float, list | None]  # one token per sample, when, their
 
 
 def token_steps(runner, ids: list[int], params: SamplingParams, eos_ids: set[int], seeds: list[int],
-                should_stop: Callable[[], bool] | None = None) -> Iterator[Step]:
+                should_stop: Callable[[], bool] | None = None, spec=None) -> Iterator[Step]:
     """The token side of a request: yields (one new token per sample, time it was produced, their logprobs
     when the request asks for them).
 
@@ -128,12 +129,19 @@ def token_steps(runner, ids: list[int], params: SamplingParams, eos_ids: set[int
     sample i's settings).
     Stops when every sample hit EOS, at max_tokens, or when `should_stop()` says so (checked between
     prefill chunks and after every token).
+
+    spec: an active `engine.speculative.Speculation` (one sample): steps with drafts run
+    `runner.verify(tokens [1, S], pos) -> (logits [1, S, V], rewind)` instead of `decode_step` and yield
+    every token they keep, one at a time, with the same time.
     """
     n = params.n
     sampler = RowSampler(params, seeds, ids, runner.device)
     x = runner.prefill(torch.tensor([ids], dtype=torch.long, device=runner.device), n, len(ids) + params.max_tokens,
                        should_stop)
     if x is None:
+        return
+    if spec is not None and spec.active:
+        yield from _speculative_steps(runner, ids, params, eos_ids, sampler, should_stop, spec, x)
         return
     done = [False] * n
     for step in range(params.max_tokens):
@@ -147,6 +155,43 @@ def token_steps(runner, ids: list[int], params: SamplingParams, eos_ids: set[int
         x = runner.decode_step(tokens.view(n, 1), len(ids) + step)
 
 
+def _speculative_steps(runner, ids, params, eos_ids, sampler, should_stop, spec, x):
+    """token_steps for one sample with prompt-lookup drafts (see `engine.speculative`; speculation is off
+    for requests whose sampler keeps a penalties' history; logprobs come per kept position from the verify)."""
+    from laneplay.engine.speculative import room
+
+    generators = sampler.generators
+    tok = int(runner.pick(x, sampler)[0])
+    produced = 1
+    yield [tok], time.perf_counter(), sampler.host_logprobs()
+    spec.produced([tok])
+    while True:
+        if (tok in eos_ids and not params.ignore_eos) or produced == params.max_tokens or (
+                should_stop is not None and should_stop()):
+            return
+        pos = len(ids) + produced - 1  # where tok goes
+        drafts = spec.drafts(room(spec, produced, params.max_tokens, runner.cache))
+        if drafts:
+            logits, rewind = runner.verify(torch.tensor([[tok, *drafts]], device=runner.device), pos)
+            out = spec.accept(logits[0], drafts, generators[0])
+            lps = sampler.position_logprobs(logits[0], out)
+            rewind.keep(len(out))  # tok and the kept drafts; the new token goes in at the next step
+        else:
+            out = [int(runner.pick(runner.decode_step(torch.tensor([[tok]], device=runner.device), pos), sampler)[0])]
+            lps = [sampler.host_logprobs()]
+        spec.steps += 1
+        now = time.perf_counter()
+        for t, lp in zip(out, lps or [None] * len(out)):
+            produced += 1
+            yield [t], now, lp
+            if t in eos_ids and not params.ignore_eos:
+                return
+            if should_stop is not None and should_stop():
+                return
+        spec.produced(out)
+        tok = out[-1]
+
+
 class TextSide:
     """The text side of one request, fed one step at a time: incremental detokenization, stop strings,
     finish reasons and timing per sample (each sample's metrics also say its seed and sampling
@@ -154,9 +199,10 @@ class TextSide:
     it returns the events they make; `close` ends what is still open as "cancelled"."""
 
     def __init__(self, params: SamplingParams, seeds: list[int], tokenizer, eos_ids: set[int], prompt_tokens: int,
-                 device: str, world_size: int, t_start: float):
+                 device: str, world_size: int, t_start: float, spec=None):
         self.params, self.eos_ids, self.t_start, self.step = params, eos_ids, t_start, 0
         self.tokenizer = tokenizer
+        self.spec = spec  # the request's `engine.speculative.Speculation`, whose counts the metrics carry
         self.samples = [
             _Sample(i, s, tokenizer.stream(), StopMatcher(params.stop),
                     GenerationMetrics(prompt_tokens=prompt_tokens, device=device, world_size=world_size, seed=s,
@@ -179,6 +225,7 @@ class TextSide:
             s.t_first = now if s.t_first is None else s.t_first
             s.t_last = now
             s.metrics.completion_tokens += 1
+            note_speculation(s.metrics, self.spec)
             s.pending_ids.append(tok)
             if tok in self.eos_ids and not params.ignore_eos:
                 tail = s.decoder.flush()  # text still held belongs to the tokens before EOS, which writes none
@@ -262,9 +309,9 @@ class TextSide:
 
 def stream_events(steps: Iterator[Step], params: SamplingParams, seeds: list[int], tokenizer,
                   eos_ids: set[int], prompt_tokens: int, device: str, world_size: int,
-                  t_start: float) -> Iterator[GenerationEvent]:
+                  t_start: float, spec=None) -> Iterator[GenerationEvent]:
     """The text side over a whole token stream (see `TextSide`)."""
-    text = TextSide(params, seeds, tokenizer, eos_ids, prompt_tokens, device, world_size, t_start)
+    text = TextSide(params, seeds, tokenizer, eos_ids, prompt_tokens, device, world_size, t_start, spec)
     try:
         for host, now, logprobs in steps:
             yield from text.feed(host, now, logprobs)

@@ -25,6 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="weights: auto (int4 on the CPU, float32 on CUDA), float32, bfloat16, float16, int8, int4")
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--no-compile", action="store_true", help="run the decode step eagerly (default: compiled on CPU at world size 1)")
+    p.add_argument("--speculative", default="auto", choices=("auto", "off", "lookup"),
+                   help="prompt-lookup speculative decoding: auto (where it pays), lookup (always draft), off")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="CUDA: decode through LaneModel.decode instead of the static step captured as CUDA graphs")
 
@@ -45,7 +47,7 @@ def run(args) -> int:
         return 2
     try:
         try:
-            events = eng.generate(prompt, params, chat=args.chat)
+            events = eng.generate(prompt, params, chat=args.chat, speculative=args.speculative)
         except ValueError as e:
             print(f"laneplay generate: {e}", file=sys.stderr)
             return 2
@@ -63,8 +65,11 @@ def run(args) -> int:
             print(f"--- sample {i} (seed {final[i].seed}) ---\n{''.join(texts[i])}")
         m = final[0]
         tps = f"{m.decode_tokens_per_second:.1f}" if m.decode_tokens_per_second else "n/a"
+        spec = (f"speculative lookup: {m.accepted_tokens}/{m.draft_tokens} drafts accepted, "
+                f"{m.completion_tokens} tokens in {m.decode_steps + 1} steps" if m.speculative == "lookup"
+                else f"speculative off ({m.speculative_reason})")
         print(f"\n[ttft {m.ttft_ms:.0f} ms | decode {tps} tokens/s | {m.completion_tokens} tokens | "
-              f"prompt {m.prompt_tokens} | finish {m.finish_reason} | {m.device} x{m.world_size}]")
+              f"prompt {m.prompt_tokens} | finish {m.finish_reason} | {m.device} x{m.world_size} | {spec}]")
         return 0
     finally:
         eng.close()

@@ -20,6 +20,13 @@ class GenerationMetrics:
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
+    # Speculative decoding (engine/speculative.py): "lookup" when it ran, "off" with the reason when not;
+    # draft tokens verified, of them accepted, and the decode steps after the first token (plain + verify).
+    speculative: str | None = None
+    speculative_reason: str | None = None
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    decode_steps: int | None = None
 
     # Mapping protocol, so dict(metrics) == asdict(metrics).
     def keys(self):

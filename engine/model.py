@@ -280,6 +280,39 @@ class KVPrefix:
             cache.v[i].index_copy_(2, dst, self.v[i].index_select(2, src))
 
 
+class Rewind:
+    """What a speculative verify overwrote on ring-buffer layers, to take back the positions it did not keep.
+
+    A verify writes positions [pos, pos + S). On a full-attention layer position p has slot p of its own,
+    and a position past the sequence's end is never read (attention reads slots [0, end)), so nothing
+    needs restoring. On a sliding-window layer (W slots, position p in slot p % W) writing p overwrote
+    position p - W, which the next positions still see: its K/V are saved here before the verify and put
+    back for every position not kept. S <= W, so the verify writes each slot at most once.
+    """
+
+    def __init__(self, cache: KVCache, pos: int, S: int):
+        self.cache, self.pos, self.S = cache, pos, S
+        self.saved = []  # (layer, slot indices, k, v) of the ring layers
+        for i, slots in enumerate(cache.slots):
+            if slots >= cache.max_seq_len:
+                continue  # slot = position: nothing a later step reads is overwritten
+            if S > slots:
+                raise ValueError(f"a verify of {S} positions does not fit a ring of {slots} slots")
+            idx = (torch.arange(pos, pos + S) % slots).to(cache.k[i].device)
+            self.saved.append((i, idx, cache.k[i].index_select(2, idx), cache.v[i].index_select(2, idx)))
+
+    def keep(self, n: int) -> None:
+        """Keep positions [pos, pos + n) as the verify wrote them; restore what the others overwrote."""
+        if not 0 <= n <= self.S:
+            raise ValueError(f"cannot keep {n} of {self.S} verified positions")
+        if n == self.S:
+            return
+        with torch.inference_mode():  # the caches are inference tensors
+            for i, idx, k, v in self.saved:
+                self.cache.k[i].index_copy_(2, idx[n:], k[:, :, n:])
+                self.cache.v[i].index_copy_(2, idx[n:], v[:, :, n:])
+
+
 def kv_cache_bytes(cfg: ModelConfig, n_lanes: int, batch: int, max_seq_len: int, element_size: int) -> int:
     """What `KVCache(cfg, n_lanes, batch, max_seq_len, ...)` allocates, without allocating it."""
     per_slot = 2 * n_lanes * batch * cfg.kv_heads_per_lane * cfg.head_dim * element_size  # K and V
@@ -544,6 +577,30 @@ class LaneModel(nn.Module):
         with torch.inference_mode():
             logits = self.head(h[:, :, -1:])[:, -1]
         yield logits.expand(n, -1), (cache.expand_batch(n) if n > 1 else cache)
+
+    def verify(self, tokens: Tensor, pos: int, cache: KVCache) -> tuple[Tensor, Rewind]:
+        """Speculative verification: tokens [B, S] (the last token, then S - 1 drafts) at positions
+        pos..pos+S-1 in one forward over the cache -> (logits [B, S, V], a `Rewind` that takes back the
+        positions the caller does not keep). Logit j is what a decode step at position pos + j gives
+        after the tokens before it.
+
+        On the one-lane low-bit path (while no ring buffer wraps inside the verify) the S positions are S
+        groups of one fused C step over the same cache: every group's K/V is written before any attention
+        reads, and group j sees slots [0, pos + j], so each row's logits are bit for bit those of a
+        one-token decode step. Elsewhere it is a prefill chunk over the cache (`hidden_states`), the same
+        function as S decode steps within float rounding.
+        """
+        B, S = tokens.shape
+        if S < 1 or pos + S > cache.max_seq_len:
+            raise ValueError(f"positions {pos}..{pos + S - 1} are beyond the KV cache of {cache.max_seq_len} positions")
+        if B != cache.batch:
+            raise ValueError(f"a cache of {cache.batch} sequences cannot verify {B} rows")
+        with torch.inference_mode():
+            rewind = Rewind(cache, pos, S)
+            if self.fused_step is not None and B == 1 and pos + S <= min(cache.slots):
+                logits = self.fused_step.groups(tokens.reshape(S, 1), [(pos + j, cache) for j in range(S)])
+                return logits.unsqueeze(0), rewind
+            return self.head(self.hidden_states(tokens, pos, cache)), rewind
 
     def decode_groups(self, tokens: Tensor, groups: list[tuple[int, KVCache]]) -> Tensor:
         """One decode step for several sequences that do not share a cache or a position (separate

@@ -65,6 +65,14 @@ class LocalRunner:
         self.comm.note_step(t0, time.perf_counter())
         return out
 
+    def verify(self, tokens: Tensor, pos: int, cache=None):
+        """Speculative verification (`LaneModel.verify`): tokens [1, S] at positions pos.. over this
+        request's cache (or `cache`) -> (logits [1, S, V], a rewind for the positions not kept)."""
+        t0 = time.perf_counter()
+        out = self.model.verify(tokens, pos, self.cache if cache is None else cache)
+        self.comm.note_step(t0, time.perf_counter())
+        return out
+
     @torch.inference_mode()
     def pick(self, logits: Tensor, sampler: RowSampler) -> Tensor:
         return self.comm.pick(logits, sampler)
@@ -110,10 +118,11 @@ class LocalRunner:
 
     # -- whole requests --
     def token_steps(self, ids: list[int], params: SamplingParams, seeds: list[int], eos_ids: set[int],
-                    should_stop: Callable[[], bool] | None = None) -> Iterator[tuple[list[int], float]]:
-        """(one new token per sample, time, logprobs or None) per step; the KV cache is freed when the request ends."""
+                    should_stop: Callable[[], bool] | None = None, spec=None) -> Iterator[tuple[list[int], float]]:
+        """(one new token per sample, time, logprobs or None) per step; the KV cache is freed when the request
+        ends. spec: the request's speculation (`engine.speculative`), or None."""
         try:
-            yield from token_steps(self, ids, params, eos_ids, seeds, should_stop)
+            yield from token_steps(self, ids, params, eos_ids, seeds, should_stop, spec)
         finally:
             self.cache = None
 

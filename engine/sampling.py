@@ -368,6 +368,15 @@ class RowSampler:
             self.last = token_logprobs(logits, tokens, self.params.logprobs)
         return tokens
 
+    def position_logprobs(self, logits: Tensor, tokens: list[int]) -> list | None:
+        """A speculating request's (one row) log-probabilities for the tokens a verify kept: per position,
+        what `host_logprobs` gives for a step. logits [S, V] from the verify, S >= len(tokens)."""
+        if self.params.logprobs is None:
+            return None
+        self.last = token_logprobs(logits[:len(tokens)], torch.tensor(tokens, device=logits.device),
+                                   self.params.logprobs)
+        return [[row] for row in self.host_logprobs()]
+
     def host_logprobs(self) -> list[tuple[float, list[tuple[int, float]]]] | None:
         """The last step's log-probabilities on the host, per row: (the token's, [(id, logprob)] of the
         most likely tokens, best first); None when the request did not ask for them."""

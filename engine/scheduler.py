@@ -41,6 +41,7 @@ from laneplay.engine.batch import PrefixCache, Sequence, decode_step, kv_need
 from laneplay.engine.metrics import GenerationMetrics
 from laneplay.engine.runtime import PREFILL_CHUNK
 from laneplay.engine.sampling import SamplingParams
+from laneplay.engine.speculative import check_mode as check_speculative
 
 log = logging.getLogger("laneplay.engine")
 
@@ -89,6 +90,7 @@ class Job:
     sharing: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     position: int | None = None  # its place in line, as last told to it
+    speculative: str = "auto"  # prompt-lookup speculation asked for: "auto" | "lookup" | "off"
 
     @property
     def queue_ms(self) -> float | None:
@@ -171,16 +173,20 @@ class Scheduler:
             self._thread.join(timeout)
 
     def submit(self, ids: list[int], params: SamplingParams, dtp: dict | None = None,
-               priority: str = "interactive") -> Job:
+               priority: str = "interactive", speculative: str = "auto") -> Job:
         """Queue a validated request (call from the event loop); raises QueueFull when the queue is full.
         `dtp`: the request's own DTP settings (`Engine.request_settings`), applied while it runs;
-        `priority`: "interactive" or "batch" (joins only where interactive requests leave room)."""
+        `priority`: "interactive" or "batch" (joins only where interactive requests leave room);
+        `speculative`: "auto", "lookup" or "off" (engine/speculative.py; a speculating request runs its
+        verify steps as forwards of its own beside the shared step)."""
         if priority not in PRIORITIES:
             raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, got {priority!r}")
+        check_speculative(speculative)
         with self._cond:
             if self._closed or len(self._waiting) >= self.max_queue:
                 raise QueueFull(f"the engine queue is full ({self.max_queue} requests waiting); retry later")
-            job = Job(ids, params, asyncio.get_running_loop(), seq=next(self._arrivals), dtp=dtp, priority=priority)
+            job = Job(ids, params, asyncio.get_running_loop(), seq=next(self._arrivals), dtp=dtp, priority=priority,
+                      speculative=speculative)
             if priority == "interactive":  # ahead of every waiting batch job, behind interactive ones
                 at = next((i for i, j in enumerate(self._waiting) if j.priority == "batch"), len(self._waiting))
                 self._waiting.insert(at, job)
@@ -263,7 +269,8 @@ class Scheduler:
         try:  # requests run one at a time, so a request's DTP settings hold for it alone
             with self.engine.request_settings(**job.dtp) if job.dtp else nullcontext() as job.collectives:
                 last = None
-                for ev in self.engine.generate(job.ids, job.params, should_stop=should_stop):
+                for ev in self.engine.generate(job.ids, job.params, should_stop=should_stop,
+                                               speculative=job.speculative):
                     if ev.finish_reason:
                         job.finals[ev.sample_index] = ev.metrics
                         stopped |= ev.finish_reason == "cancelled"
@@ -300,7 +307,7 @@ class Scheduler:
             self.running.append(job)
             self._begin(job)
             try:
-                seqs[job] = Sequence(self.engine, job.ids, job.params, job.t_start, self.prefixes)
+                seqs[job] = Sequence(self.engine, job.ids, job.params, job.t_start, self.prefixes, job.speculative)
                 job.cached_tokens = seqs[job].reused
             except Exception as e:
                 log.exception("generation failed")

@@ -14,7 +14,11 @@ per_choice (each choice's timing, seed and sampling settings). When streaming, t
 last chunk before [DONE] (the usage chunk when stream_options.include_usage is set) carries it all.
 
 A request may carry a "laneplay" object of its own: {"priority": "interactive" | "batch"} says how the
-scheduler admits it (engine/scheduler.py: batch work fills what interactive requests leave); and for DTP
+scheduler admits it (engine/scheduler.py: batch work fills what interactive requests leave);
+{"speculative": "auto" | "lookup" | "off"} its prompt-lookup speculation (engine/speculative.py; "auto"
+by default), reported in the final "laneplay" object (speculative, speculative_reason, draft_tokens,
+accepted_tokens, decode_steps, accepted_per_step, acceptance) and in usage (draft_tokens,
+accepted_tokens); and for DTP
 engines (world size 2 or more):
 {"collectives": "delayed" | "wait_now", "timeline": true | false}. The engine runs that request, and
 only it, with those collectives (the A/B of the delay is two requests), and with "timeline" the final
@@ -46,6 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from laneplay.engine.sampling import SAMPLE_KEYS, SamplingParams
 from laneplay.limits import MAX_TOP_LOGPROBS
 from laneplay.engine.scheduler import MAX_ROWS, PRIORITIES, STARTED, Job, Queued, QueueFull, Scheduler
+from laneplay.engine.speculative import MODES as SPECULATIVE_MODES
 
 DEFAULT_MAX_TOKENS = 256  # when the request names none (capped by what the context has left)
 MAX_BODY_BYTES = 4 << 20
@@ -158,6 +163,7 @@ class ParsedRequest:
     dtp: dict | None = None  # the "laneplay" extension: {"collectives": str | None, "timeline": bool}
     priority: str = "interactive"  # the "laneplay" extension's "priority": "interactive" | "batch"
     echo: bool = False  # completions: the prompt comes back in front of each choice's text
+    speculative: str = "auto"  # the "laneplay" extension's "speculative": "auto" | "lookup" | "off"
 
 
 def parse_request(body, chat: bool) -> ParsedRequest:
@@ -209,6 +215,7 @@ def parse_request(body, chat: bool) -> ParsedRequest:
         dtp=_dtp_settings(body),
         priority=_priority(body),
         echo=echo,
+        speculative=_speculative(body),
     )
 
 
@@ -243,7 +250,7 @@ def _logit_bias(body: dict) -> dict[int, float] | None:
 
 COLLECTIVES = ("delayed", "wait_now")
 _DTP_KEYS = ("collectives", "timeline")
-_EXT_KEYS = (*_DTP_KEYS, "priority")
+_EXT_KEYS = (*_DTP_KEYS, "priority", "speculative")
 
 
 def _priority(body: dict) -> str:
@@ -255,6 +262,32 @@ def _priority(body: dict) -> str:
         raise APIError(400, f"'laneplay.priority' must be \"interactive\" or \"batch\", got {json.dumps(priority)}.",
                        "laneplay.priority", "invalid_value")
     return priority
+
+
+def _speculative(body: dict) -> str:
+    """The "laneplay" extension's prompt-lookup speculation (engine/speculative.py): "auto" (the default:
+    drafts where they pay), "lookup" (always draft) or "off"."""
+    ext = _field(body, "laneplay", _OBJ) or {}
+    mode = _field(ext, "speculative", _STR, "auto", param="laneplay.speculative")
+    if mode not in SPECULATIVE_MODES:
+        raise APIError(400, f"'laneplay.speculative' must be \"auto\", \"lookup\" or \"off\", got {json.dumps(mode)}.",
+                       "laneplay.speculative", "invalid_value")
+    return mode
+
+
+def speculation_record(finals: dict) -> dict:
+    """What speculation did for a request (all its choices): the mode that ran ("lookup", or "off" with
+    the reason), draft tokens verified, of them accepted, decode steps after the first token, tokens
+    per decode step, and the acceptance rate."""
+    ms = [m for _, m in sorted(finals.items())]
+    drafts, accepted = sum(m.draft_tokens for m in ms), sum(m.accepted_tokens for m in ms)
+    steps = sum(m.decode_steps or 0 for m in ms)
+    tokens = sum(max(0, m.completion_tokens - 1) for m in ms)
+    ran = next((m.speculative for m in ms if m.speculative), None)
+    return {"speculative": ran, "speculative_reason": next((m.speculative_reason for m in ms if m.speculative_reason), None),
+            "draft_tokens": drafts, "accepted_tokens": accepted, "decode_steps": steps,
+            "accepted_per_step": _ms(tokens / steps) if steps else None,
+            "acceptance": _ms(accepted / drafts) if drafts else None}
 
 
 def _dtp_settings(body: dict) -> dict | None:
@@ -359,7 +392,8 @@ def choice_timing(index: int, m) -> dict:
     return {"index": index, "ttft_ms": _ms(m.ttft_ms), "decode_tokens_per_second": _ms(m.decode_tokens_per_second),
             "ms_per_token": _ms(m.ms_per_token), "total_ms": _ms(m.total_ms), "completion_tokens": m.completion_tokens,
             "finish_reason": _api_reason(m.finish_reason), "seed": m.seed, "temperature": m.temperature,
-            "top_p": m.top_p, "top_k": m.top_k, "min_p": m.min_p}
+            "top_p": m.top_p, "top_k": m.top_k, "min_p": m.min_p, "draft_tokens": m.draft_tokens,
+            "accepted_tokens": m.accepted_tokens, "decode_steps": m.decode_steps}
 
 
 def request_timing(job: Job) -> dict:
@@ -428,13 +462,16 @@ class Reply:
     def usage(self) -> dict:
         prompt = len(self.job.ids)
         completion = sum(m.completion_tokens for m in self.job.finals.values())
+        spec = speculation_record(self.job.finals)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": self.job.cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": self.job.cached_tokens},
+                "draft_tokens": spec["draft_tokens"], "accepted_tokens": spec["accepted_tokens"]}
 
     def timing(self) -> dict:
         per_choice = [choice_timing(i, m) for i, m in sorted(self.job.finals.items())]
         out = {**request_timing(self.job), "device": str(self.engine.device), "dtype": engine_dtype(self.engine),
-               "world_size": getattr(self.engine, "world_size", 1), "per_choice": per_choice}
+               "world_size": getattr(self.engine, "world_size", 1), **speculation_record(self.job.finals),
+               "per_choice": per_choice}
         if self.job.dtp is not None:  # the request's own DTP settings: what ran, and its timeline
             out["collectives"] = self.job.collectives
             if self.job.dtp["timeline"]:
@@ -474,8 +511,12 @@ def _sse(obj) -> str:
 async def stream_reply(reply: Reply, n: int, include_usage: bool, scheduler: Scheduler | None = None):
     """SSE chunks of one streamed request. Before the first chunk, SSE comments (which OpenAI clients
     skip) say where the request is: `: laneplay queued <position>` while it waits for the engine, then
-    `: laneplay running` when the engine takes it."""
+    `: laneplay running` when the engine takes it. While a choice speculates, a comment before its chunk
+    carries its counts whenever they change: `: laneplay speculative <index> <draft_tokens>
+    <accepted_tokens> <decode_steps> <completion_tokens>` (tokens per step = (completion_tokens - 1) /
+    decode_steps, acceptance = accepted_tokens / draft_tokens)."""
     started, finished, error, sharing = set(), 0, None, 0
+    spec_counts: dict[int, tuple] = {}
     position = scheduler.position(reply.job) if scheduler is not None else None
     if position is not None:
         yield f": laneplay queued {position}\n\n"
@@ -490,6 +531,11 @@ async def stream_reply(reply: Reply, n: int, include_usage: bool, scheduler: Sch
             if reply.job.sharing != sharing:  # how many other requests share the engine's steps now
                 sharing = reply.job.sharing
                 yield f": laneplay sharing {sharing}\n\n"
+            m = ev.metrics
+            counts = (m.draft_tokens, m.accepted_tokens, m.decode_steps, m.completion_tokens)
+            if m.speculative == "lookup" and spec_counts.get(ev.sample_index) != counts:  # the meter's live numbers
+                spec_counts[ev.sample_index] = counts
+                yield f": laneplay speculative {ev.sample_index} {' '.join(map(str, counts))}\n\n"
             reason = _api_reason(ev.finish_reason)
             chunk = reply.chunk(ev.sample_index, ev.text, reason, first=ev.sample_index not in started,
                                 tokens=ev.logprobs)
@@ -724,7 +770,7 @@ def create_app(engine, *, api_key: str | None = None, max_queue: int = 32, reque
         if not req.max_tokens_given:
             params.max_tokens = min(DEFAULT_MAX_TOKENS, context - len(ids))
         try:
-            job = scheduler.submit(ids, params, dtp=req.dtp, priority=req.priority)
+            job = scheduler.submit(ids, params, dtp=req.dtp, priority=req.priority, speculative=req.speculative)
         except QueueFull as e:
             retry = str(max(1, math.ceil(scheduler.mean_job_s)))
             raise APIError(429, str(e), code="queue_full", type="rate_limit_error",

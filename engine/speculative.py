@@ -1,0 +1,226 @@
+"""Speculative decoding by prompt lookup: drafts from the text already there, verified in one step.
+
+Code edits ("add type hints", "rename this variable", "fix the bug on line 3") mostly copy text that
+is already in the prompt. `Lookup` matches the last n tokens of the sequence (prompt and output so
+far, n = 3, then 2, then 1) against their most recent earlier occurrence and proposes the tokens that
+followed it. The last token and up to k drafts go through one multi-token forward over the KV cache
+(`LaneModel.verify`); the longest prefix the model agrees with is kept, plus the model's own next
+token, and the rejected positions' K/V are rolled back (`model.Rewind`).
+
+Exactness: greedy keeps a draft token only where it is the argmax, so the tokens are the plain
+greedy ones wherever the verify's logits equal a decode step's (bit for bit on the one-lane low-bit
+path, within float rounding elsewhere). Sampling uses the speculative-sampling rule for a point-mass
+draft: keep draft x with probability p(x), else draw from p with x removed and renormalised; the
+token kept is then distributed exactly as p, so the output distribution is the plain one.
+
+`Controller` picks k from the recent acceptance (doubling while every draft is kept, falling to what
+was kept plus one) and, in mode "auto", pauses itself when a verify's expected payoff drops below a
+plain step, so plain completion does not pay for it; it probes again after a pause that doubles with
+each failed probe. Nothing here reads a clock: a request's tokens depend only on its own history, so
+it gets the same tokens alone and in a batch, and a seeded request is reproducible.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from laneplay.engine.sampling import SamplingParams, is_greedy, process_logits
+
+MODES = ("auto", "off", "lookup")
+NGRAMS = (3, 2, 1)  # match lengths tried, longest first
+K_START, K_MAX = 4, 8  # drafts per verify: where a request starts, and the most (a verify of 9 rows)
+# What a verify of S rows costs in one-token decode steps is about 1 + ROW_COST * (S - 1): measured on the
+# embedded default, CPU int4, 2 cores with AVX-512 VNNI (1 row 6.7 ms, 5 rows 16.4 ms, 9 rows 28 ms, 16
+# rows 48 ms: the integer products are arithmetic-bound). "auto" speculates while the moving average of
+# (1 + kept) / (1 + ROW_COST * drafts) stays above 1.
+ROW_COST = 0.35
+PAYOFF_DECAY = 0.5  # weight of the newest verify in the moving average
+PAUSE_MIN, PAUSE_MAX = 8, 128  # plain steps after a verify that did not pay, doubling per failed probe
+
+
+def check_mode(mode) -> str:
+    if mode not in MODES:
+        raise ValueError(f"speculative must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
+
+
+class Lookup:
+    """The n-gram index of one sequence: for each n in NGRAMS, every n-gram that has a continuation,
+    mapped to where its most recent continuation starts."""
+
+    def __init__(self, ids: list[int], ngrams: tuple[int, ...] = NGRAMS):
+        self.ngrams = ngrams
+        self.tokens: list[int] = []
+        self.index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in ngrams}
+        self.extend(ids)
+
+    def extend(self, ids: list[int]) -> None:
+        toks = self.tokens
+        for t in ids:
+            j = len(toks)  # t starts at j: it continues the n-grams that end just before it
+            for n in self.ngrams:
+                if j >= n:
+                    self.index[n][tuple(toks[j - n:j])] = j
+            toks.append(t)
+
+    def draft(self, k: int) -> list[int]:
+        """Up to k tokens that followed the longest recent match of the sequence's last n tokens."""
+        toks = self.tokens
+        for n in self.ngrams:
+            if len(toks) < n:
+                continue
+            start = self.index[n].get(tuple(toks[-n:]))
+            if start is not None:
+                return toks[start:start + k]
+        return []
+
+
+class Controller:
+    """How many drafts to verify next (0: a plain step), from what the recent verifies kept."""
+
+    def __init__(self, mode: str):
+        self.auto = mode == "auto"
+        self.k = K_START
+        self.payoff = 1.0 + ROW_COST  # a fresh request gets a verify's benefit of the doubt
+        self.pause, self.paused = PAUSE_MIN, 0
+
+    def want(self) -> int:
+        if self.paused:
+            self.paused -= 1
+            return 0
+        return self.k
+
+    def record(self, drafted: int, kept: int) -> None:
+        self.k = min(K_MAX, 2 * self.k) if kept == drafted else max(1, kept + 1)
+        if not self.auto:
+            return
+        gain = (1 + kept) / (1 + ROW_COST * drafted)
+        self.payoff = (1 - PAYOFF_DECAY) * self.payoff + PAYOFF_DECAY * gain
+        if self.payoff < 1.0:  # not paying: plain steps for a while, then one probe decides again
+            self.paused, self.pause = self.pause, min(PAUSE_MAX, 2 * self.pause)
+            self.payoff = 1.0  # the probe's own gain then settles it
+            self.k = K_START
+        elif kept:
+            self.pause = PAUSE_MIN
+
+
+class Speculation:
+    """One request's speculation: its lookup, controller, and counts. `reason` says why it is off."""
+
+    def __init__(self, mode: str, ids: list[int], params: SamplingParams, reason: str | None = None):
+        self.mode = check_mode(mode)
+        if reason is None and mode == "off":
+            reason = "off by request"
+        if reason is None and params.n != 1:
+            reason = "n > 1: the samples of one request share a position"
+        if reason is None and params.adjusts_logits:
+            # penalties and bias change each position's distribution by the tokens before it: these
+            # requests take one token per step (logprobs come from the verify's logits per position)
+            reason = "penalties and logit_bias take one token per step"
+        one = params.for_sample(0) if params.n == 1 else params
+        self.greedy = is_greedy(one.temperature, one.top_k)
+        if reason is None and mode == "auto" and not self.greedy:
+            # sampling stays exact in distribution, but a seed then draws other tokens than it does in a
+            # request of n samples; "auto" keeps a seeded sample the same at any n, "lookup" trades that away
+            reason = "auto speculates greedy requests only (a seeded sample keeps its tokens at any n)"
+        self.reason = reason
+        self.active = reason is None
+        self.params = one
+        self.lookup = Lookup(ids) if self.active else None
+        self.control = Controller(mode)
+        self.draft_tokens = self.accepted_tokens = 0
+        self.verify_steps = 0
+        self.steps = 0  # decode steps after the first token: plain steps and verifies
+        self.near_ties = 0  # greedy tokens a verify decided where its top two logits were within rounding
+
+    @property
+    def label(self) -> str:
+        return "lookup" if self.active else "off"
+
+    def drafts(self, room: int) -> list[int]:
+        """Drafts for the next step (empty: a plain step). room: how many more tokens the request may
+        produce after the next one, and how many drafts the KV cache's rings can take back."""
+        if not self.active or room < 1:
+            return []
+        k = self.control.want()
+        return self.lookup.draft(min(k, room)) if k else []
+
+    def produced(self, tokens: list[int]) -> None:
+        """Tokens the request produced (plain steps and verifies), in order."""
+        if self.active:
+            self.lookup.extend(tokens)
+
+    def accept(self, logits: Tensor, drafts: list[int], generator: torch.Generator) -> list[int]:
+        """The verify's logits [k + 1, V] for the drafts [k]: the kept drafts, then one token of the model's
+        own (a correction, or after k kept drafts the next token). Updates the counts and the controller."""
+        k = len(drafts)
+        if self.greedy:
+            top2 = logits.float().topk(2, dim=-1)
+            best = top2.indices[:, 0].tolist()
+            kept = 0
+            while kept < k and best[kept] == drafts[kept]:
+                kept += 1
+            gap = (top2.values[: kept + 1, 0] - top2.values[: kept + 1, 1]).abs()
+            self.near_ties += int((gap <= 1e-5 * top2.values[: kept + 1, 0].abs().clamp_min(1.0)).sum())
+            out = drafts[:kept] + [best[kept]]
+        else:
+            probs = process_logits(logits.float(), self.params).softmax(-1)
+            out = []
+            for j, x in enumerate(drafts):
+                p = probs[j]
+                u = torch.rand(1, generator=generator, dtype=torch.float64, device=p.device)
+                if float(u) < float(p[x]):  # kept with probability p(x)
+                    out.append(x)
+                    continue
+                rest = p.clone()
+                rest[x] = 0.0  # the residual max(p - q, 0) of a point-mass draft q at x, renormalised by the draw
+                out.append(draw(rest, generator))
+                break
+            else:
+                out.append(draw(probs[k], generator))
+            kept = len(out) - 1
+        self.draft_tokens += k
+        self.accepted_tokens += kept
+        self.verify_steps += 1
+        self.control.record(k, kept)
+        return out
+
+
+def draw(probs: Tensor, generator: torch.Generator) -> int:
+    """One token from the (unnormalised) distribution probs [V], by inverting its cumulative sum at one
+    uniform number; a token of probability 0 is never drawn."""
+    cdf = probs.double().cumsum(-1)
+    u = torch.rand(1, generator=generator, dtype=torch.float64, device=probs.device)
+    tok = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
+    if tok >= probs.shape[-1]:  # u * total rounded up to the total: the last token with any probability
+        tok = int(torch.nonzero(probs > 0).max())
+    return tok
+
+
+def note(metrics, spec: Speculation | None) -> None:
+    """Copy a request's speculation into its sample's metrics (what the API and the meter report)."""
+    if spec is None:
+        return
+    metrics.speculative, metrics.speculative_reason = spec.label, spec.reason
+    metrics.draft_tokens, metrics.accepted_tokens = spec.draft_tokens, spec.accepted_tokens
+    metrics.decode_steps = spec.steps if spec.active else max(0, metrics.completion_tokens - 1)
+
+
+def plan(mode: str, runner, ids: list[int], params: SamplingParams) -> Speculation:
+    """The speculation a request gets on this runner: on, or off with the reason."""
+    mode = check_mode(mode)
+    reason = None
+    if mode != "off":
+        if getattr(runner, "world_size", 1) != 1:
+            reason = "DTP ranks: the verify step is not implemented across ranks"
+        elif getattr(runner, "static", None) is not None:
+            reason = "the static (CUDA-graph) decode step has no verify graph"
+        elif not hasattr(runner, "verify"):
+            reason = "this runner has no verify step"
+    return Speculation(mode, ids, params, reason)
+
+
+def room(spec: Speculation, produced: int, max_tokens: int, cache) -> int:
+    """How many drafts the next verify may carry: the tokens still allowed after the next one, and no
+    more positions than the smallest ring holds (the rewind writes each slot once)."""
+    return min(max_tokens - produced - 1, min(cache.slots) - 1, K_MAX)

@@ -1,0 +1,38 @@
+"""`laneplay bench spec --quick`: the edit corpus, the JSON of the documented shape and its README table
+(the speed is never checked here; the greedy equality is: on the int4 default path it is exact)."""
+import json
+
+import pytest
+
+from laneplay.bench import spec
+from laneplay.bench.cli import QUICK
+from laneplay.bench.report import spec_table
+
+
+def test_the_edit_corpus_has_the_four_kinds_over_humaneval():
+    corpus = spec.edit_corpus(40)
+    assert len(corpus) == 40 and [k for k, _ in corpus[:4]] == list(spec.KINDS)
+    assert all(sum(k == kind for k, _ in corpus) == 10 for kind in spec.KINDS)
+    bug = next(p for k, p in corpus if k == "fix bug")
+    assert "Fix the bug on line" in bug and "```python\n" in bug
+    rename = next(p for k, p in corpus if k == "rename")
+    name = rename.split("`")[1]
+    assert f"`{name}_value`" in rename and name in rename.split("```python\n")[1]
+    assert '"""' not in next(p for k, p in corpus if k == "docstring").split("```python\n")[1]
+
+
+@pytest.mark.slow
+def test_quick_spec_bench_writes_its_json_and_table(tmp_path):
+    from laneplay.kernels import lowbit
+
+    assert spec.main([*QUICK["spec"], "--allow-noisy", "--out", str(tmp_path)]) == 0
+    d = json.loads((tmp_path / "spec.json").read_text())
+    assert d["edits"]["prompts"] == 4 and d["plain"]["prompts"] == 1 and isinstance(d["noisy"], bool)
+    assert [r["kind"] for r in d["rows"]["edits"]] == list(spec.KINDS)
+    for r in d["rows"]["edits"] + d["rows"]["plain"]:
+        assert r["off_tps"] > 0 and r["on_tps"] > 0 and r["accepted_tokens"] <= r["draft_tokens"]
+        assert r["decode_steps"] + r["accepted_tokens"] == r["tokens"] - 1
+        if lowbit.available() and d["dtype"] == "int4":
+            assert r["same_tokens"], r  # the fused verify is bit for bit the decode steps
+    assert d["edits"]["acceptance"] is not None
+    assert "| edits (HumanEval) | 4 |" in spec_table(d)

@@ -1,0 +1,65 @@
+"""The API's speculation: the "laneplay.speculative" request field, the counts in usage and the final
+"laneplay" object, and the live counts streamed as SSE comments (what the meter shows)."""
+import httpx
+import pytest
+
+from laneplay.engine import SamplingParams
+from laneplay.engine.server import create_app
+from tests.engine.test_server import serve, sse_data
+
+# Code followed by the start of its copy: the lookup finds the rest of it.
+CODE = ("def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n"
+        "    return 2 * (width + height)\n\n\n# The same two functions again:\ndef area(width, height):\n")
+
+
+@pytest.fixture(scope="module")
+def server(default_engine):
+    with serve(create_app(default_engine, model_name="m")) as url:
+        yield url
+
+
+@pytest.mark.parametrize("value", ["fast", 1, None])
+def test_a_bad_speculative_mode_is_a_400_naming_the_field(server, value):
+    r = httpx.post(server + "/v1/completions", timeout=60,
+                   json={"prompt": "x", "max_tokens": 2, "laneplay": {"speculative": value}})
+    if value is None:  # null is "not given": the default
+        assert r.status_code == 200, r.text
+        return
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "laneplay.speculative"
+
+
+def test_counts_in_usage_and_laneplay_equal_the_engines(server, default_engine):
+    body = {"prompt": CODE, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    want = {}
+    for mode in ("lookup", "off"):
+        finals = [ev.metrics for ev in default_engine.generate(
+            CODE, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), speculative=mode) if ev.finish_reason]
+        want[mode] = finals[0]
+        r = httpx.post(server + "/v1/completions", timeout=120, json={**body, "laneplay": {"speculative": mode}})
+        assert r.status_code == 200, r.text
+        usage, lp = r.json()["usage"], r.json()["laneplay"]
+        m = want[mode]
+        assert (usage["draft_tokens"], usage["accepted_tokens"]) == (m.draft_tokens, m.accepted_tokens)
+        assert (lp["draft_tokens"], lp["accepted_tokens"], lp["decode_steps"]) == (
+            m.draft_tokens, m.accepted_tokens, m.decode_steps)
+        assert lp["speculative"] == mode
+        assert lp["per_choice"][0]["accepted_tokens"] == m.accepted_tokens
+    assert want["lookup"].accepted_tokens > 5 and want["off"].draft_tokens == 0
+    assert r.json()["laneplay"]["speculative_reason"] == "off by request"
+    assert r.json()["laneplay"]["acceptance"] is None and r.json()["laneplay"]["accepted_per_step"] == 1.0
+
+
+def test_the_stream_carries_the_live_counts_and_they_end_at_the_final_ones(server):
+    body = {"prompt": CODE, "max_tokens": 40, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, "laneplay": {"speculative": "lookup"}}
+    with httpx.stream("POST", server + "/v1/completions", json=body, timeout=120) as s:
+        lines = list(s.iter_lines())
+    live = [tuple(map(int, line.split()[4:])) for line in lines if line.startswith(": laneplay speculative 0 ")]
+    final = [c for c in sse_data(lines) if c.get("usage")][-1]
+    lp = final["laneplay"]
+    assert len(live) > 1 and live == sorted(live)  # counts only grow
+    drafts, accepted, steps, tokens = live[-1]
+    assert (drafts, accepted, steps, tokens) == (lp["draft_tokens"], lp["accepted_tokens"], lp["decode_steps"], 40)
+    assert lp["acceptance"] == round(accepted / drafts, 3)
+    assert lp["accepted_per_step"] == round((tokens - 1) / steps, 3) > 1

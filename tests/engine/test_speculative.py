@@ -1,0 +1,309 @@
+"""Speculative decoding by prompt lookup (engine/speculative.py, LaneModel.verify, model.Rewind).
+
+The verify forward is checked against the naive reference (float) and against one-token decode steps
+bit for bit (the fused low-bit step); the rewind against a cache that never saw the rejected tokens;
+greedy generation with speculation against generation without, token for token; and the sampling
+acceptance rule by the distribution of what it emits.
+"""
+import random
+
+import pytest
+import torch
+
+from laneplay.engine import SamplingParams, load_engine
+from laneplay.engine.checkpoint import (load_weights, open_checkpoint, random_laneformer_tensors,
+                                        tiny_laneformer_config, write_checkpoint)
+from laneplay.engine.model import LaneModel
+from laneplay.engine.sampling import process_logits
+from laneplay.engine.speculative import (K_MAX, PAUSE_MIN, Controller, Lookup, Speculation, check_mode, draw,
+                                         plan)
+from tests.engine.naive_reference import naive_logits
+
+
+# ---- drafting ------------------------------------------------------------------------------------
+
+def naive_draft(tokens: list[int], k: int, ngrams=(3, 2, 1)) -> list[int]:
+    """Scan backwards for the most recent earlier occurrence of the last n tokens, longest n first."""
+    for n in ngrams:
+        if len(tokens) < n:
+            continue
+        tail = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start:start + n] == tail:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+@pytest.mark.parametrize("vocab", [3, 6, 40])
+def test_lookup_drafts_what_followed_the_most_recent_longest_match(vocab):
+    rng = random.Random(vocab)
+    for trial in range(60):
+        seq = [rng.randrange(vocab) for _ in range(rng.randrange(1, 80))]
+        cut = rng.randrange(0, len(seq) + 1)
+        lookup = Lookup(seq[:cut])
+        lookup.extend(seq[cut:])  # built in two parts, as prompt then output
+        for k in (1, 4, 8):
+            assert lookup.draft(k) == naive_draft(seq, k), (seq, k)
+
+
+def test_lookup_on_code_proposes_the_rest_of_a_copied_line():
+    lookup = Lookup([10, 11, 12, 13, 14, 15, 16, 99, 10, 11])
+    assert lookup.draft(4) == [12, 13, 14, 15]
+    assert Lookup([1, 2, 3]).draft(4) == []  # nothing repeats
+
+
+def test_auto_pauses_when_drafts_do_not_pay_and_probes_again():
+    ctl = Controller("auto")
+    assert ctl.want() == 4
+    ctl.record(4, 0)  # a verify that kept nothing
+    ctl.record(ctl.k, 0)
+    pauses = 0
+    while ctl.want() == 0:
+        pauses += 1
+    assert pauses >= PAUSE_MIN
+    ctl.record(ctl.k, 0)  # the probe failed too: a longer pause
+    longer = 0
+    while ctl.want() == 0:
+        longer += 1
+    assert longer > pauses
+    # a run of kept drafts grows k to K_MAX and keeps speculating
+    for _ in range(6):
+        ctl.record(ctl.want(), ctl.k)
+    assert ctl.want() == K_MAX
+    # "lookup" never pauses
+    always = Controller("lookup")
+    for _ in range(20):
+        k = always.want()
+        assert k >= 1
+        always.record(k, 0)
+
+
+def test_modes_are_checked_and_off_says_why():
+    with pytest.raises(ValueError, match="speculative must be one of auto, off, lookup"):
+        check_mode("fast")
+
+    class Ranks:
+        world_size = 2
+
+    assert plan("auto", Ranks(), [1, 2], SamplingParams()).reason.startswith("DTP")
+    assert not plan("off", Ranks(), [1, 2], SamplingParams()).active
+    assert "n > 1" in Speculation("lookup", [1, 2], SamplingParams(n=2, temperature=1.0)).reason
+
+
+# ---- the verify forward and its rewind -------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def float_ckpt(tmp_path_factory):
+    """Several lanes, delayed reduces and sliding-window layers (ring of 8 slots)."""
+    raw = tiny_laneformer_config(sliding_window=8)
+    tensors = random_laneformer_tensors(raw, seed=7)
+    return raw, tensors, write_checkpoint(tmp_path_factory.mktemp("spec"), raw, tensors)
+
+
+@pytest.mark.parametrize("prompt_len,S", [(5, 3), (12, 6), (21, 8)])  # before and after the rings wrap
+def test_verify_matches_the_naive_reference_and_rewinds_to_an_untouched_cache(float_ckpt, prompt_len, S):
+    raw, tensors, path = float_ckpt
+    model = load_engine(path).model
+    gen = torch.Generator().manual_seed(prompt_len)
+    ids = torch.randint(0, 256, (1, prompt_len + S), generator=gen)
+    _, cache = model.prefill(ids[:, :prompt_len], 1, 48)
+    logits, rewind = model.verify(ids[:, prompt_len:], prompt_len, cache)
+    ref = naive_logits(raw, tensors, ids)[:, prompt_len:]
+    assert (logits - ref).abs().max() <= 1e-4 * ref.abs().max()
+    for keep in (0, 1, S - 1):
+        _, cache = model.prefill(ids[:, :prompt_len], 1, 48)
+        _, rewind = model.verify(ids[:, prompt_len:], prompt_len, cache)
+        rewind.keep(keep)
+        # the next token after the kept ones, decoded from this cache, is what a cache that never saw
+        # the rejected tokens gives (a fresh prefill of everything kept)
+        nxt = torch.tensor([[17]])
+        got = model.decode(nxt, prompt_len + keep, cache)
+        want = naive_logits(raw, tensors, torch.cat([ids[:, :prompt_len + keep], nxt], dim=1))[:, -1]
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max(), keep
+
+
+def _one_lane_int4(tmp_path, window=5):
+    from laneplay.kernels import lowbit
+
+    if not lowbit.available():
+        pytest.skip("the low-bit kernels are not built")
+    raw = tiny_laneformer_config(num_lanes=1, sliding_window=window, max_position_embeddings=96)
+    path = write_checkpoint(tmp_path / "one", raw, random_laneformer_tensors(raw, seed=4))
+    cfg, src = open_checkpoint(path)
+    model = LaneModel(cfg, lowbit.pack_weights(load_weights(cfg, src), "int4"))
+    src.close()
+    assert model.fused_step is not None
+    return model, path
+
+
+@torch.inference_mode()
+def test_low_bit_verify_is_bit_for_bit_the_decode_steps(tmp_path):
+    """One lane, int4: the verify is one fused step with a group per position, so each position's
+    logits and K/V equal those of one-token decode steps exactly (ring of 8 slots; past the point
+    where the ring wraps it runs as a prefill chunk, within rounding)."""
+    model, _ = _one_lane_int4(tmp_path, window=8)
+    gen = torch.Generator().manual_seed(1)
+    for prompt_len, S in [(2, 5), (3, 6), (10, 4)]:
+        ids = torch.randint(0, 256, (1, prompt_len + S), generator=gen)
+        _, c_steps = model.prefill(ids[:, :prompt_len], 1, 40)
+        _, c_verify = model.prefill(ids[:, :prompt_len], 1, 40)
+        steps = torch.stack([model.decode(ids[:, prompt_len + j:prompt_len + j + 1], prompt_len + j, c_steps)[0]
+                             for j in range(S)])
+        logits, rewind = model.verify(ids[:, prompt_len:], prompt_len, c_verify)
+        if prompt_len + S <= 8:  # no ring wraps: the fused path
+            assert torch.equal(logits[0], steps)
+            for a, b in zip(c_steps.k + c_steps.v, c_verify.k + c_verify.v):
+                assert torch.equal(a, b)
+        else:
+            assert (logits[0] - steps).abs().max() <= 1e-3 * steps.abs().max()
+        rewind.keep(S)
+
+
+# ---- whole requests: greedy equality, sampling, the scheduler --------------------------------------
+
+def run(engine, prompt, params, mode):
+    toks, final = [], None
+    for ev in engine.generate(prompt, params, speculative=mode):
+        toks += ev.token_ids
+        if ev.finish_reason:
+            final = ev.metrics
+    return toks, final
+
+
+def greedy_differences(engine, prompt, a: list[int], b: list[int]) -> list[float]:
+    """Where two greedy runs part: the reference's top-2 logit gap there (a near-tie explains it)."""
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if n is None:
+        return []
+    ids = (engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)) + a[:n]
+    top2 = engine.logits(torch.tensor([ids]))[0, -1].topk(2).values
+    return [float(top2[0] - top2[1])]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int4"])
+def test_greedy_with_speculation_is_greedy_without(float_ckpt, tmp_path, dtype):
+    if dtype == "int4":
+        _, path = _one_lane_int4(tmp_path)
+    else:
+        path = float_ckpt[2]
+    eng = load_engine(path, dtype=dtype)
+    gen = torch.Generator().manual_seed(3)
+    drafted = accepted = 0
+    for trial in range(6):
+        base = torch.randint(3, 256, (12,), generator=gen).tolist()
+        prompt = base * 3 + base[:5]  # text that repeats: the lookup has something to find
+        params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        off, m_off = run(eng, prompt, params, "off")
+        on, m_on = run(eng, prompt, params, "lookup")
+        if on != off:  # only a near-tie of the float path may decide otherwise
+            gap = greedy_differences(eng, prompt, off, on)
+            assert dtype == "float32" and gap[0] <= 1e-4, (trial, gap)
+        assert m_off.speculative == "off" and m_off.draft_tokens == 0 and m_off.decode_steps == 39
+        assert m_on.speculative == "lookup" and m_on.completion_tokens == 40
+        assert m_on.decode_steps < 39 or m_on.accepted_tokens == 0
+        assert m_on.decode_steps + m_on.accepted_tokens == 39  # every step gives one token plus what it kept
+        drafted += m_on.draft_tokens
+        accepted += m_on.accepted_tokens
+    assert drafted > 0 and accepted > 0
+
+
+def test_speculative_sampling_keeps_the_distribution():
+    """The acceptance rule on fixed logits, 20,000 times: the first token follows p_0, and the second
+    (after a kept first draft) follows p_1, each within 4.5 standard errors."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0, float("-inf")],
+                           [0.1, 1.5, -0.5, 2.0, 0.0, 0.3],
+                           [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    params = SamplingParams(temperature=0.9, top_k=5).validate()
+    p = process_logits(logits, params).softmax(-1).double()
+    drafts = [1, 3]
+    spec = Speculation("lookup", [0, 1, 2], params)
+    gen = torch.Generator().manual_seed(5)
+    first, second = torch.zeros(6, dtype=torch.float64), torch.zeros(6, dtype=torch.float64)
+    N = 20000
+    for _ in range(N):
+        out = spec.accept(logits, drafts, gen)
+        first[out[0]] += 1
+        if out[0] == drafts[0]:
+            second[out[1]] += 1
+    for freq, want, n in ((first / N, p[0], N), (second / second.sum(), p[1], int(second.sum()))):
+        se = (want * (1 - want) / n).sqrt()
+        assert ((freq - want).abs() <= 4.5 * se + 1e-12).all(), (freq, want)
+        assert (freq[want == 0] == 0).all()
+    # p_0(1) = 0.20, p_1(3) = 0.51: (0.20 + 0.20 * 0.51) / 2 of the drafts are kept
+    assert 0.12 < spec.accepted_tokens / spec.draft_tokens < 0.17
+
+
+def test_draw_never_takes_a_token_without_probability():
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.tensor([0.0, 0.3, 0.0, 0.7, 0.0])
+    got = {draw(probs, gen) for _ in range(300)}
+    assert got == {1, 3}
+
+
+@pytest.fixture(scope="module")
+def int4_default():
+    from laneplay.kernels import lowbit
+
+    if not lowbit.available():
+        pytest.skip("the low-bit kernels are not built")
+    return load_engine("smollm2-135m-instruct", dtype="int4")
+
+
+EDIT = ("def total(prices, tax):\n    result = 0\n    for p in prices:\n        result += p * (1 + tax)\n"
+        "    return result\n\n# The same function with the variable `result` renamed to `acc`:\n")
+
+
+def test_default_model_greedy_edit_is_exact_and_speculates(int4_default):
+    eng = int4_default
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    off, m_off = run(eng, EDIT, params, "off")
+    for mode in ("lookup", "auto"):
+        on, m_on = run(eng, EDIT, params, mode)
+        assert on == off, mode
+        assert m_on.decode_steps + m_on.accepted_tokens == m_off.decode_steps == 47, mode
+    assert m_on.accepted_tokens > 0
+    lookup = run(eng, EDIT, params, "lookup")[1]
+    assert lookup.accepted_tokens >= 10 and lookup.decode_steps < m_off.decode_steps
+
+
+def test_seeded_sampling_with_speculation_is_reproducible(int4_default):
+    params = SamplingParams(max_tokens=32, temperature=0.8, seed=21)
+    a, ma = run(int4_default, EDIT, params, "lookup")
+    b, mb = run(int4_default, EDIT, params, "lookup")
+    assert a == b and ma.draft_tokens == mb.draft_tokens > 0
+
+
+def test_speculating_rows_in_a_batch_get_the_tokens_they_get_alone(int4_default):
+    eng = int4_default
+    reqs = [(EDIT, SamplingParams(max_tokens=40, temperature=0.0)),
+            (EDIT + "def total(prices, tax):\n", SamplingParams(max_tokens=30, temperature=0.7, seed=3)),
+            ("def fib(n):\n", SamplingParams(max_tokens=20, temperature=0.9, seed=2, n=2)),
+            (EDIT, SamplingParams(max_tokens=20, temperature=0.0))]
+    modes = ["lookup", "auto", "auto", "off"]
+
+    import asyncio
+
+    from laneplay.engine.scheduler import Scheduler
+    from tests.engine.test_batching import _collect
+
+    async def main():
+        sched = Scheduler(eng)
+        sched.start()
+        try:
+            jobs = []
+            for (prompt, params), mode in zip(reqs, modes):
+                ids, params = eng.prepare(prompt, params)
+                jobs.append(sched.submit(ids, params, speculative=mode))
+            return jobs, await asyncio.gather(*(_collect(j) for j in jobs))
+        finally:
+            sched.close()
+
+    jobs, results = asyncio.run(main())
+    for (prompt, params), mode, job, (toks, _) in zip(reqs, modes, jobs, results):
+        assert job.outcome == "completed"
+        want = {}
+        for ev in eng.generate(prompt, params, speculative=mode):
+            want.setdefault(ev.sample_index, []).extend(ev.token_ids)
+        assert toks == want, mode
+    assert jobs[0].finals[0].accepted_tokens > 0 and jobs[0].rows_per_step > 1  # it speculated, beside others
+    assert jobs[2].finals[0].speculative == "off" and jobs[3].finals[0].draft_tokens == 0
