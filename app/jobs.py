@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from laneplay.app.checks import SandboxMissing, check_code, sandbox_status
-from laneplay.app.client import EngineClient, EngineError
+from laneplay.api_client import EngineClient, EngineError
 from laneplay.app.params import InputError, sampling
 from laneplay.app.stream import Generation, collect, engine_ready
 from laneplay.app.quota import PASSN_ACTIVE, PASSN_ACTIVE_PER_ADDRESS, PASSN_RUNNING
