@@ -44,6 +44,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from laneplay.engine.sampling import SAMPLE_KEYS, SamplingParams
+from laneplay.protocol import QUEUED, RUNNING, SHARING, sse_comment
 from laneplay.limits import MAX_TOP_LOGPROBS
 from laneplay.engine.scheduler import MAX_ROWS, PRIORITIES, STARTED, Job, Queued, QueueFull, Scheduler
 
@@ -478,18 +479,18 @@ async def stream_reply(reply: Reply, n: int, include_usage: bool, scheduler: Sch
     started, finished, error, sharing = set(), 0, None, 0
     position = scheduler.position(reply.job) if scheduler is not None else None
     if position is not None:
-        yield f": laneplay queued {position}\n\n"
+        yield sse_comment(QUEUED, position)
     try:
         async for ev in reply.job.stream():
             if ev is STARTED:
-                yield ": laneplay running\n\n"
+                yield sse_comment(RUNNING)
                 continue
             if isinstance(ev, Queued):  # its place in line moved
-                yield f": laneplay queued {ev.position}\n\n"
+                yield sse_comment(QUEUED, ev.position)
                 continue
             if reply.job.sharing != sharing:  # how many other requests share the engine's steps now
                 sharing = reply.job.sharing
-                yield f": laneplay sharing {sharing}\n\n"
+                yield sse_comment(SHARING, sharing)
             reason = _api_reason(ev.finish_reason)
             chunk = reply.chunk(ev.sample_index, ev.text, reason, first=ev.sample_index not in started,
                                 tokens=ev.logprobs)

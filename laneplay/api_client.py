@@ -306,8 +306,11 @@ class EngineClient(_Base):
                 yield http
 
     async def _get(self, path: str) -> httpx.Response:
-        async with self._session() as http:
-            return await http.get(path)
+        try:
+            async with self._session() as http:
+                return await http.get(path)
+        except httpx.HTTPError as e:
+            raise transport_error(e, self.base_url) from None
 
     async def models(self) -> list[str]:
         r = await self._get(MODELS)
