@@ -90,6 +90,22 @@ def transport_error(e: httpx.HTTPError, base_url: str) -> EngineError:
     return EngineError(message, kind="unreachable", cause=type(e).__name__)
 
 
+@contextlib.contextmanager
+def answered(base_url: str):
+    """Around a request: an `httpx` transport error inside becomes an `EngineError` (`transport_error`)."""
+    try:
+        yield
+    except httpx.HTTPError as e:
+        raise transport_error(e, base_url) from None
+
+
+def reply_json(r: httpx.Response) -> dict:
+    """A whole reply's JSON, or its error as an `EngineError`."""
+    if r.status_code != 200:
+        raise error_of(r.status_code, r.text, r.headers)
+    return r.json()
+
+
 # ---- the stream ----------------------------------------------------------------------------------
 @dataclass
 class StreamEvent:
@@ -306,11 +322,9 @@ class EngineClient(_Base):
                 yield http
 
     async def _get(self, path: str) -> httpx.Response:
-        try:
+        with answered(self.base_url):
             async with self._session() as http:
                 return await http.get(path)
-        except httpx.HTTPError as e:
-            raise transport_error(e, self.base_url) from None
 
     async def models(self) -> list[str]:
         r = await self._get(MODELS)
@@ -328,19 +342,14 @@ class EngineClient(_Base):
 
     async def complete(self, body: dict, chat: bool) -> dict:
         """One whole (non-streamed) completion: the reply's JSON."""
-        try:
+        with answered(self.base_url):
             async with self._session() as http:
-                r = await http.post(endpoint(chat), json=body)
-        except httpx.HTTPError as e:
-            raise transport_error(e, self.base_url) from None
-        if r.status_code != 200:
-            raise error_of(r.status_code, r.text, r.headers)
-        return r.json()
+                return reply_json(await http.post(endpoint(chat), json=body))
 
     async def stream(self, body: dict, chat: bool) -> AsyncIterator[StreamEvent]:
         """POST a streaming request; yields StreamEvents, "done" last. Closing the iterator closes the
         connection, which our engine takes as a cancel."""
-        try:
+        with answered(self.base_url):
             async with self._session() as http:
                 async with http.stream("POST", endpoint(chat), json=streaming(body)) as r:
                     if r.status_code != 200:
@@ -353,8 +362,6 @@ class EngineClient(_Base):
                         if decoder.done:
                             break
                     yield decoder.finish()
-        except httpx.HTTPError as e:
-            raise transport_error(e, self.base_url) from None
 
 
 class SyncEngineClient(_Base):
@@ -374,10 +381,8 @@ class SyncEngineClient(_Base):
         self.http.close()
 
     def _get(self, path: str) -> httpx.Response:
-        try:
+        with answered(self.base_url):
             return self.http.get(path)
-        except httpx.HTTPError as e:
-            raise transport_error(e, self.base_url) from None
 
     def health(self) -> dict | None:
         """Our engine's /health record, or None when the server is not ours (or not ready: not 200)."""
@@ -393,20 +398,12 @@ class SyncEngineClient(_Base):
 
     def complete(self, body: dict, chat: bool) -> dict:
         """One whole (non-streamed) completion: the reply's JSON."""
-        try:
-            r = self.http.post(endpoint(chat), json=body)
-        except httpx.HTTPError as e:
-            raise transport_error(e, self.base_url) from None
-        if r.status_code != 200:
-            raise error_of(r.status_code, r.text, r.headers)
-        return r.json()
+        with answered(self.base_url):
+            return reply_json(self.http.post(endpoint(chat), json=body))
 
     def stream(self, body: dict, chat: bool) -> Iterator[StreamEvent]:
-        try:
-            with self.http.stream("POST", endpoint(chat), json=streaming(body)) as r:
-                if r.status_code != 200:
-                    r.read()
-                    raise error_of(r.status_code, r.text, r.headers)
-                yield from decode_lines(r.iter_lines(), chat)
-        except httpx.HTTPError as e:
-            raise transport_error(e, self.base_url) from None
+        with answered(self.base_url), self.http.stream("POST", endpoint(chat), json=streaming(body)) as r:
+            if r.status_code != 200:
+                r.read()
+                raise error_of(r.status_code, r.text, r.headers)
+            yield from decode_lines(r.iter_lines(), chat)
