@@ -40,6 +40,23 @@ def _is_chat(prompt) -> bool:
     return isinstance(prompt, list)
 
 
+def request_body(prompt, n: int, temperature: float, seed: int | None, max_tokens: int, top_p: float = 1.0,
+                 model: str | None = None) -> tuple[dict, bool]:
+    """The request to an engine server for n samples of one prompt (a text or chat messages), as `laneplay
+    eval` and the app's pass@N send it: (body, chat?). Greedy requests ignore top_p."""
+    chat = _is_chat(prompt)
+    body = {"n": n, "temperature": temperature, "top_p": top_p if temperature > 0 else 1.0,
+            "max_tokens": max_tokens, "seed": seed}
+    if model:
+        body["model"] = model
+    if chat:
+        body["messages"] = prompt
+    else:
+        body["prompt"] = prompt
+        body["stop"] = list(STOP_SEQUENCES[:REMOTE_STOP_LIMIT])  # the rest are cut by the extraction
+    return body, chat
+
+
 class LocalGenerate:
     """Generates with an engine loaded in this process (`engine.load_engine`)."""
 
@@ -97,18 +114,9 @@ class RemoteGenerate:
     def __call__(self, prompt, n: int, temperature: float, seed: int | None, max_tokens: int) -> list[str]:
         from laneplay.api_client import EngineError, endpoint
 
-        chat = _is_chat(prompt)
-        body = {"n": n, "temperature": temperature, "max_tokens": max_tokens, "seed": seed,
-                "top_p": self.top_p if temperature > 0 else 1.0}
-        if self.model:
-            body["model"] = self.model
+        body, chat = request_body(prompt, n, temperature, seed, max_tokens, self.top_p, self.model)
         if self.ours:
             body["laneplay"] = {"priority": "batch"}
-        if chat:
-            body["messages"] = prompt
-        else:
-            body["prompt"] = prompt
-            body["stop"] = list(STOP_SEQUENCES[:REMOTE_STOP_LIMIT])  # the rest are cut by the extraction
         start = time.perf_counter()
         try:
             reply = self.client.complete(body, chat)
