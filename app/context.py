@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from laneplay.app.client import EngineClient
+from laneplay.api_client import EngineClient
 from laneplay.app.jobs import JobManager
 from laneplay.app.owners import OwnerKeys
 from laneplay.app.params import InputError, parse_stops, sampling  # noqa: F401 (the tabs import them from here)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import gradio as gr
 from laneplay.app import playground
-from laneplay.app.client import EngineError
+from laneplay.api_client import EngineError
 from laneplay.app.context import (
     AppContext,
     InputError,

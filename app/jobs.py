@@ -21,15 +21,15 @@ import time
 from dataclasses import dataclass, field
 
 from laneplay.app.checks import SandboxMissing, check_code, sandbox_status
-from laneplay.app.client import EngineClient, EngineError
+from laneplay.api_client import EngineClient, EngineError
 from laneplay.app.params import InputError, sampling
 from laneplay.app.stream import Generation, collect, engine_ready
 from laneplay.app.quota import PASSN_ACTIVE, PASSN_ACTIVE_PER_ADDRESS, PASSN_RUNNING
 from laneplay.limits import MAX_N
 from laneplay.evals.passk import KS, count_statuses, mean_pass_at_ks
-from laneplay.evals.engine_generate import REMOTE_STOP_LIMIT
+from laneplay.evals.engine_generate import request_body as remote_request_body
 from laneplay.evals.problems import Problem
-from laneplay.evals.prompting import (STOP_SEQUENCES, chat_messages, completion_prompt, extract_code,
+from laneplay.evals.prompting import (chat_messages, completion_prompt, extract_code,
                                       extract_completion)
 
 log = logging.getLogger("laneplay.app.jobs")
@@ -100,17 +100,9 @@ def request_body(problem: Problem, config: RunConfig, n: int, temperature: float
                  model: str | None = None) -> tuple[dict, bool]:
     """The engine request of one side of a problem: greedy (n=1, T=0) or the N-sample batch; sample i of
     the batch uses seed + i (the engine's `n` semantics), as in `laneplay eval`."""
-    prompt, chat = prompt_of(problem, config.mode)
-    body = {"n": n, "temperature": temperature, "top_p": config.top_p if temperature > 0 else 1.0,
-            "max_tokens": max_tokens or config.max_tokens, "seed": config.seed}
-    if model:
-        body["model"] = model
-    if chat:
-        body["messages"] = prompt
-    else:
-        body["prompt"] = prompt
-        body["stop"] = list(STOP_SEQUENCES[:REMOTE_STOP_LIMIT])  # the rest are cut by the extraction
-    return body, chat
+    prompt, _ = prompt_of(problem, config.mode)
+    return remote_request_body(prompt, n, temperature, config.seed, max_tokens or config.max_tokens, config.top_p,
+                               model)
 
 
 @dataclass

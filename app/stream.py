@@ -24,7 +24,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from laneplay.app.client import EngineError, StreamEvent, StreamTimer
+from laneplay.api_client import EngineError, StreamEvent, StreamTimer
 from laneplay.app.meter import MeterData
 
 UPDATE_EVERY_S = 0.1  # at most ten page updates a second while tokens stream
@@ -127,7 +127,7 @@ class Column:
     finish: str | None = None  # the engine's finish reason; "cancelled" when Stop ended it
     server: dict | None = None  # the engine's timing of this choice, once sent
     prompt_tokens: int = 0
-    tokens: list[dict] = field(default_factory=list)  # with logprobs: its tokens (app.client.tokens_of), in order
+    tokens: list[dict] = field(default_factory=list)  # with logprobs: its tokens (api_client.tokens_of), in order
 
     def take_server(self, t: dict, request: dict | None = None) -> None:
         """The engine's timing is the final word on speed: it replaces the app's (`request`: the

@@ -14,12 +14,11 @@ import threading
 import time
 from collections import deque
 
-import httpx
-
+from laneplay import protocol
+from laneplay.api_client import EngineError, SyncEngineClient, api_base
 from laneplay.processes import die_with_parent, free_port
 
 READY = "ready"
-STAGES = {"loading": "loading", "compiling": "compiling", "warming up": "warming up"}
 
 
 def world_sizes(model_config: dict | None, most: int = 8) -> list[int] | None:
@@ -124,13 +123,12 @@ class LocalEngine(Engine):
         for line in proc.stdout:
             line = line.rstrip()
             self.log.append(line)
-            if line.startswith("laneplay-engine-stage:"):
-                stage = line.split(":", 1)[1].strip()
-                if stage in STAGES and self.state != READY:
-                    if self.restarts:  # after a crash the state stays "restarting" until it is back
-                        self._set("restarting", f"restart {self.restarts}: {stage} {self.model}")
-                    else:
-                        self._set(STAGES[stage], f"{stage} {self.model}")
+            stage = protocol.parse_stage(line)
+            if stage in protocol.STAGES and self.state != READY:
+                if self.restarts:  # after a crash the state stays "restarting" until it is back
+                    self._set("restarting", f"restart {self.restarts}: {stage} {self.model}")
+                else:
+                    self._set(stage, f"{stage} {self.model}")  # the state is named as the stage
 
     def _supervise(self) -> None:
         backoff = 1.0
@@ -157,7 +155,7 @@ class LocalEngine(Engine):
                 self._end_process()
                 continue
             code = self.proc.returncode
-            tail = next((ln for ln in reversed(self.log) if ln and not ln.startswith("laneplay-engine-stage")), "")
+            tail = next((ln for ln in reversed(self.log) if ln and protocol.parse_stage(ln) is None), "")
             self.restarts += 1
             self._set("restarting", f"the engine process exited (code {code}){': ' + tail[-200:] if tail else ''}; "
                                     f"restarting in {backoff:.0f} s")
@@ -182,13 +180,11 @@ class LocalEngine(Engine):
 
     def _probe(self) -> dict | None:
         try:
-            r = httpx.get(self.url + "/health", timeout=1.0)
-            if r.status_code == 200:
-                h = r.json()
-                return health_info(h)
-        except (httpx.HTTPError, ValueError):
-            pass
-        return None
+            with SyncEngineClient(self.url, timeout_s=1.0, connect_s=1.0) as client:
+                h = client.health()
+        except EngineError:
+            return None
+        return health_info(h) if h is not None else None
 
     def status(self) -> dict:
         out = super().status()
@@ -216,8 +212,7 @@ class RemoteEngine(Engine):
 
     def __init__(self, url: str, api_key: str | None = None):
         super().__init__()
-        base = url.rstrip("/")
-        self.url = base[:-3] if base.endswith("/v1") else base
+        self.url = api_base(url)
         self.api_key = api_key
         self.state, self.detail = "loading", f"connecting to {self.url}"
         self._stopping = False
@@ -226,24 +221,20 @@ class RemoteEngine(Engine):
         threading.Thread(target=self._poll, name="engine-poller", daemon=True).start()
 
     def _poll(self) -> None:
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        client = SyncEngineClient(self.url, api_key=self.api_key, timeout_s=3.0, connect_s=3.0)
         while not self._stopping:
             info = None
             try:
-                r = httpx.get(self.url + "/health", headers=headers, timeout=3.0)
-                if r.status_code == 200 and isinstance(r.json(), dict) and "queue_depth" in r.json():
-                    h = r.json()
+                h = client.health()
+                if h is not None and h["laneplay"]:
                     info = health_info(h)
                 else:  # another OpenAI-compatible server: its model list is the health check
-                    m = httpx.get(self.url + "/v1/models", headers=headers, timeout=3.0)
-                    if m.status_code == 200:
-                        data = m.json().get("data") or [{}]
-                        info = {"model": data[0].get("id"), "device": "remote", "world_size": None,
-                                "context_length": None, "laneplay": False}
-                    else:
-                        self._set("unreachable", f"{self.url} answered {m.status_code} to /v1/models")
-            except (httpx.HTTPError, ValueError) as e:
-                self._set("unreachable", f"{self.url} is not reachable ({type(e).__name__})")
+                    data = client.models() or [{}]
+                    info = {"model": data[0].get("id"), "device": "remote", "world_size": None,
+                            "context_length": None, "laneplay": False}
+            except EngineError as e:
+                self._set("unreachable", f"{self.url} answered {e.status} to /v1/models" if e.status
+                          else f"{self.url} is not reachable ({e.cause or e.message})")
             if info is not None:
                 self.info = info
                 if not self.ready:

@@ -20,7 +20,7 @@ def _p(logprob) -> float | None:
 
 
 def render(tokens: list[dict], elem_id: str = "token-view") -> str:
-    """The view of `tokens` (app.client.tokens_of records) as one element `elem_id`."""
+    """The view of `tokens` (api_client.tokens_of records) as one element `elem_id`."""
     spans = []
     for i, t in enumerate(tokens):
         p = _p(t.get("logprob"))

@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
-import json
 import statistics
 import sys
 import threading
 import time
 
-import httpx
 import torch
 
+from laneplay.api_client import ChoiceTiming, EngineClient, StreamTimer
 from laneplay.bench.common import check_quiet, print_table, write_json
 
 PROMPTS = ["def quicksort(items):\n", "# Parse a CSV line into fields.\ndef parse(line):\n",
@@ -59,26 +57,24 @@ def step_costs(engine, rows: list[int], context: int = 200, repeats: int = 20) -
     return out
 
 
-async def timed_request(http, body: dict) -> dict:
+def engine_client(url: str, **kwargs) -> EngineClient:
+    """The benches' client of an engine server: one connection pool, no short connect timeout."""
+    return EngineClient(url, timeout_s=600, connect_s=600, **kwargs)
+
+
+async def timed_request(client: EngineClient, body: dict) -> dict:
     """One streamed completion (greedy, ignore_eos unless `body` says otherwise): the client's TTFT (send
     -> first text), the gaps between its tokens, its decode tokens/s, and the server's final `laneplay`
     record (empty from other servers) and usage."""
-    body = {"temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **body}
-    t0, stamps, server, usage = time.perf_counter(), [], {}, {}
-    async with http.stream("POST", "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if any(c.get("text") for c in chunk.get("choices", [])):
-                stamps.append(time.perf_counter())
-            server, usage = chunk.get("laneplay") or server, chunk.get("usage") or usage
-    gaps = [(b - a) * 1000 for a, b in itertools.pairwise(stamps)]
-    span = stamps[-1] - stamps[0] if len(stamps) > 1 else 0
-    return {"ttft_ms": (stamps[0] - t0) * 1000 if stamps else None, "gaps_ms": gaps, "tokens": len(stamps),
-            "tps": (len(stamps) - 1) / span if span else None, "e2e_s": time.perf_counter() - t0, "server": server,
-            "usage": usage}
+    timer, server, usage = StreamTimer(), {}, {}
+    async for ev in client.stream({"temperature": 0, "ignore_eos": True, **body}, chat=False):
+        if ev.kind == "delta":
+            timer.on_delta(0, ev.text, None)  # every choice's text on one clock, as one stream
+        elif ev.kind == "done":
+            server, usage = ev.timing or {}, ev.usage or {}
+    c = timer.choices.get(0) or ChoiceTiming()
+    return {"ttft_ms": c.ttft_ms, "gaps_ms": c.latencies_ms, "tokens": c.tokens, "tps": c.decode_tps,
+            "e2e_s": timer.elapsed_ms() / 1000, "server": server, "usage": usage}
 
 
 def long_prompt_joins(engine, prompt_tokens: int = 1500) -> dict:
@@ -98,7 +94,7 @@ def long_prompt_joins(engine, prompt_tokens: int = 1500) -> dict:
     chunk_ms = min(runs)
 
     async def go(url):
-        async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        async with engine_client(url) as http:
             alone = await timed_request(http, {"prompt": PROMPTS[0], "max_tokens": 96})
             runners = [asyncio.create_task(timed_request(http, {"prompt": PROMPTS[i], "max_tokens": 256})) for i in range(3)]
             await asyncio.sleep(1.0)
@@ -127,16 +123,15 @@ def beside_passn(engine, problems: int = 8, n: int = 8) -> dict:
     prompts = [p.prompt for p in select(f"humaneval:0-{problems}")]
 
     async def go(url):
-        async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        async with engine_client(url) as http:
             body = {"prompt": PROMPTS[3], "max_tokens": 128}
             idle = await timed_request(http, body)
 
             async def passn():
                 for p in prompts:
                     for k, temp in ((1, 0.0), (n, 0.8)):
-                        await http.post("/v1/completions", json={
-                            "prompt": p, "max_tokens": 128, "n": k, "temperature": temp, "seed": 0,
-                            "laneplay": {"priority": "batch"}})
+                        await http.complete({"prompt": p, "max_tokens": 128, "n": k, "temperature": temp,
+                                             "seed": 0, "laneplay": {"priority": "batch"}}, chat=False)
 
             job = asyncio.create_task(passn())
             await asyncio.sleep(2.0)
@@ -178,7 +173,7 @@ class InProcessServer:
 
 
 async def _users(url: str, k: int, tokens: int) -> dict:
-    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+    async with engine_client(url) as http:
         await timed_request(http, {"prompt": PROMPTS[0], "max_tokens": 4})  # warm the connection and the engine
         t0 = time.perf_counter()
         clients = await asyncio.gather(*(timed_request(http, {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": tokens})
@@ -219,7 +214,7 @@ def prefix_reuse(engine, target_tokens: int = 1000, tokens: int = 16) -> dict:
     prompts = [code + "# Add type hints to helper_3.\n", code + "# Write a docstring for helper_5.\n"]
 
     async def go(url):
-        async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+        async with engine_client(url) as http:
             return [await timed_request(http, {"prompt": p, "max_tokens": tokens}) for p in prompts]
 
     with InProcessServer(engine, 16) as url:

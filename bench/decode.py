@@ -55,13 +55,11 @@ def served_engine(dtype: str):
 
 def served_run(url, ids, new_tokens):
     """One request to a served engine; its own timing (the same metrics as our_run's)."""
-    import json
-    import urllib.request
+    from laneplay.api_client import SyncEngineClient
 
-    body = json.dumps({"prompt": ids, "max_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}).encode()
-    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as r:
-        out = json.load(r)
+    with SyncEngineClient(url, timeout_s=600, connect_s=600) as client:
+        out = client.complete({"prompt": ids, "max_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True},
+                              chat=False)
     t = out["laneplay"]
     return {"ttft_ms": t["ttft_ms"], "decode_tps": t["decode_tokens_per_second"],
             "tokens": out["usage"]["completion_tokens"]}

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import httpx
 
+from laneplay.api_client import EngineClient, EngineError, StreamTimer
+
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -29,47 +31,36 @@ def percentile(values: list[float], p: float) -> float | None:
     return values[max(0, math.ceil(p / 100 * len(values)) - 1)] if values else None
 
 
-async def one_client(http: httpx.AsyncClient, i: int, args) -> dict:
-    body = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed + i, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": not args.stop_at_eos}
+async def one_client(client: EngineClient, i: int, args) -> dict:
+    body = {"max_tokens": args.max_tokens, "temperature": args.temperature, "seed": args.seed + i,
+            "ignore_eos": not args.stop_at_eos}
     if args.chat:
-        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": args.prompt}]
+        body["messages"] = [{"role": "user", "content": args.prompt}]
     else:
-        path, body["prompt"] = "/v1/completions", args.prompt
+        body["prompt"] = args.prompt
     out = {"client": i, "status": None, "error": None, "ttft_ms": None, "e2e_ms": None, "tokens": 0, "server": None}
-    t0 = time.perf_counter()
+    timer = StreamTimer()
     try:
-        async with http.stream("POST", path, json=body) as r:
-            out["status"] = r.status_code
-            if r.status_code != 200:
-                out["error"] = (await r.aread()).decode(errors="replace")[:300]
-                return out
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[len("data: "):])
-                if "error" in chunk:
-                    out["error"] = chunk["error"].get("message")
-                for c in chunk.get("choices", []):
-                    text = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
-                    if text and out["ttft_ms"] is None:
-                        out["ttft_ms"] = (time.perf_counter() - t0) * 1000
-                if chunk.get("usage"):
-                    out["tokens"] = chunk["usage"]["completion_tokens"]
-                    out["server"] = chunk.get("laneplay")
-    except httpx.HTTPError as e:
-        out["error"] = f"{type(e).__name__}: {e}"
-    out["e2e_ms"] = (time.perf_counter() - t0) * 1000
+        async for ev in client.stream(body, args.chat):
+            out["status"] = 200  # the stream began
+            if ev.kind == "delta":
+                timer.on_delta(ev.index, ev.text, None)
+            elif ev.kind == "done" and ev.usage:
+                out["tokens"], out["server"] = ev.usage.get("completion_tokens", 0), ev.timing
+    except EngineError as e:
+        out["status"], out["error"] = e.status or out["status"], e.message
+    out["ttft_ms"] = min((c.ttft_ms for c in timer.choices.values() if c.ttft_ms is not None), default=None)
+    out["e2e_ms"] = timer.elapsed_ms()
     return out
 
 
 async def run_load(args) -> dict:
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.clients + 2, max_keepalive_connections=args.clients + 2)
-    async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=args.timeout, limits=limits) as http:
-        health = (await http.get("/health")).json()
+    async with EngineClient(args.url, api_key=args.api_key, timeout_s=args.timeout, connect_s=args.timeout,
+                            limits=limits) as client:
+        health = await client.health()
         t0 = time.perf_counter()
-        clients = await asyncio.gather(*(one_client(http, i, args) for i in range(args.clients)))
+        clients = await asyncio.gather(*(one_client(client, i, args) for i in range(args.clients)))
         wall = time.perf_counter() - t0
     ok = [c for c in clients if c["status"] == 200 and not c["error"]]
     server = [c["server"] or {} for c in ok]
@@ -123,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         result = asyncio.run(run_load(args))
-    except httpx.HTTPError as e:
+    except EngineError as e:
         print(f"laneplay.bench.load: cannot reach the engine at {args.url} ({e}); start it with `laneplay engine`",
               file=sys.stderr)
         return 2

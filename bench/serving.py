@@ -28,6 +28,7 @@ import time
 
 import httpx
 
+from laneplay.api_client import EngineClient
 from laneplay.bench.batching import timed_request
 from laneplay.bench.common import check_quiet, print_table, write_json
 from laneplay.bench.load import percentile
@@ -55,7 +56,7 @@ async def run_schedule(url: str, schedule: list[dict], rate: float, seed: int, e
         arrivals.append(t)
         t += rng.expovariate(rate)
     limits = httpx.Limits(max_connections=len(schedule) + 2)
-    async with httpx.AsyncClient(base_url=url, timeout=1200, limits=limits) as http:
+    async with EngineClient(url, timeout_s=1200, connect_s=1200, limits=limits) as http:
         t0 = time.perf_counter()
 
         async def at(when, req):

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from laneplay.engine.config import ModelConfig
+from laneplay.engine.errors import KVBudgetError, ParameterError, PromptError
 from laneplay.engine.generate import GenerationEvent, check_context, prompt_ids, stream_events
 from laneplay.engine.model import request_kv_bytes
 from laneplay.engine.runtime import Runtime
@@ -81,10 +82,11 @@ class Engine:
         params = (params or SamplingParams()).validate()
         ids = prompt_ids(self.tokenizer, prompt, chat)
         if any(not 0 <= t < self.cfg.vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must lie in [0, {self.cfg.vocab_size})")
+            raise PromptError(f"prompt token ids must lie in [0, {self.cfg.vocab_size})")
         outside = sorted(t for t in params.logit_bias or {} if t >= self.cfg.vocab_size)
         if outside:
-            raise ValueError(f"logit_bias names token {outside[0]}, outside the vocabulary [0, {self.cfg.vocab_size})")
+            raise ParameterError(f"logit_bias names token {outside[0]}, outside the vocabulary [0, {self.cfg.vocab_size})",
+                                 "logit_bias")
         check_context(len(ids), params, self.cfg.max_position_embeddings)
         self.check_kv_budget(len(ids) + params.max_tokens, params.n)
         return ids, params
@@ -97,9 +99,9 @@ class Engine:
             per_sample = request_kv_bytes(self.cfg, 1, positions, self.dtype.itemsize)
             fit = max(0, budget // per_sample - 1) if n > 1 else 0
             hint = f"; at this length at most n={fit}" if fit >= 1 else ""
-            raise ValueError(f"this request needs {need / 2**30:.2f} GiB of KV cache (n={n} x {positions} positions) "
-                             f"but the engine's KV budget is {budget / 2**30:.2f} GiB (--kv-budget-gb); "
-                             f"lower n or max_tokens{hint}")
+            raise KVBudgetError(f"this request needs {need / 2**30:.2f} GiB of KV cache (n={n} x {positions} positions) "
+                                f"but the engine's KV budget is {budget / 2**30:.2f} GiB (--kv-budget-gb); "
+                                f"lower n or max_tokens{hint}")
 
     def generate(self, prompt, params: SamplingParams | None = None, chat: bool = False,
                  should_stop=None, speculative: str = "auto", **overrides) -> Iterator[GenerationEvent]:

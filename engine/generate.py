@@ -13,6 +13,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from laneplay.engine.errors import ContextLengthError, PromptError
 from laneplay.engine.metrics import GenerationMetrics
 from laneplay.engine.sampling import RowSampler, SamplingParams
 from laneplay.engine.speculative import note as note_speculation
@@ -99,9 +100,9 @@ def prompt_ids(tokenizer, prompt, chat: bool) -> list[int]:
     if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
         return tokenizer.encode_chat(list(prompt))
     if not isinstance(prompt, str):
-        raise ValueError("prompt must be a string, a list of token ids or a list of chat messages")
+        raise PromptError("prompt must be a string, a list of token ids or a list of chat messages")
     if not prompt.strip():
-        raise ValueError("prompt is empty")
+        raise PromptError("prompt is empty")
     if chat:
         return tokenizer.encode_chat([{"role": "user", "content": prompt}])
     return tokenizer.encode(prompt)
@@ -109,10 +110,10 @@ def prompt_ids(tokenizer, prompt, chat: bool) -> list[int]:
 
 def check_context(n_prompt: int, params: SamplingParams, context: int) -> None:
     if n_prompt == 0:
-        raise ValueError("prompt is empty")
+        raise PromptError("prompt is empty")
     if n_prompt + params.max_tokens > context:
-        raise ValueError(f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds the model's "
-                         f"context of {context} tokens; shorten the prompt or lower max_tokens")
+        raise ContextLengthError(f"prompt ({n_prompt} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                                 f"model's context of {context} tokens; shorten the prompt or lower max_tokens")
 
 
 Step = tuple[list[int], float, list | None]  # one token per sample, when, their logprobs (RowSampler.host_logprobs)

@@ -13,6 +13,7 @@ from laneplay.engine.engine import Engine
 from laneplay.engine.model import LaneModel
 from laneplay.engine.runner import LocalRunner
 from laneplay.engine.runtime import PREFILL_CHUNK, make_runtime
+from laneplay.protocol import STAGE_COMPILING, STAGE_LOADING
 
 DTP_OPTIONS = ("wait_now", "timeline", "timeout_s")
 
@@ -42,7 +43,7 @@ def load_engine(model: str | os.PathLike = "smollm2-135m-instruct", device: str 
     runtime = make_runtime(device, dtype, world_size, compile, threads, kv_budget_gb, prefill_chunk, graphs)
     progress = progress or (lambda stage: None)
     path = resolve_checkpoint(model)
-    progress("loading")
+    progress(STAGE_LOADING)
     cfg, src = open_checkpoint(path)
     try:
         tokenizer = checkpoint_tokenizer(path, src)
@@ -64,7 +65,7 @@ def load_engine(model: str | os.PathLike = "smollm2-135m-instruct", device: str 
         runner = DTPRunner(path, runtime, **options)
     else:
         if runtime.compile:
-            progress("compiling")
+            progress(STAGE_COMPILING)
         runner = LocalRunner(LaneModel(cfg, weights), runtime)
     return Engine(cfg, runner, runtime, path, tokenizer=tokenizer)
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
+from laneplay.engine.errors import ParameterError
 from laneplay.limits import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_N, MAX_PENALTY, MAX_REPETITION_PENALTY,
                              MAX_SEED, MAX_STOP_LENGTH, MAX_STOP_STRINGS, MAX_TEMPERATURE, MAX_TOP_LOGPROBS,
                              MIN_PENALTY, MIN_TEMPERATURE)
@@ -110,46 +111,46 @@ class SamplingParams:
                 self.n = len(self.samples)
 
     def validate(self) -> "SamplingParams":
-        """Raise ValueError with a clear sentence for any out-of-range value; returns self."""
-        def need(cond, msg):
+        """Raise ParameterError (a ValueError) with a clear sentence for any out-of-range value; returns self."""
+        def need(cond, msg, param):
             if not cond:
-                raise ValueError(msg)
+                raise ParameterError(msg, param)
 
-        need(_is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        need(_is_int(self.max_tokens) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
         for name, ok, what in _RULES:
             value = getattr(self, name)
-            need(ok(value), f"{name} {what}, got {value!r}")
+            need(ok(value), f"{name} {what}, got {value!r}", name)
         if self.samples is not None:
             got = f"{len(self.samples)} of them" if isinstance(self.samples, list) else repr(self.samples)
             need(isinstance(self.samples, list) and 1 <= len(self.samples) <= MAX_N,
-                 f"samples must be a list of 1 to {MAX_N} sample settings, got {got}")
-        need(_is_int(self.n) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+                 f"samples must be a list of 1 to {MAX_N} sample settings, got {got}", "samples")
+        need(_is_int(self.n) and 1 <= self.n <= MAX_N, f"n must be an integer in [1, {MAX_N}], got {self.n!r}", "n")
         for i, s in enumerate(self.samples or []):
             if isinstance(s, dict):  # __post_init__ kept it: a key that is not a sample setting
                 unknown = sorted(map(str, set(s) - set(SAMPLE_KEYS)))
-                need(False, f"samples[{i}] has unknown key(s) {unknown}; allowed: {', '.join(SAMPLE_KEYS)}")
-            need(isinstance(s, SampleSettings), f"samples[{i}] must be an object of sample settings, got {s!r}")
+                need(False, f"samples[{i}] has unknown key(s) {unknown}; allowed: {', '.join(SAMPLE_KEYS)}", f"samples[{i}]")
+            need(isinstance(s, SampleSettings), f"samples[{i}] must be an object of sample settings, got {s!r}", f"samples[{i}]")
             for name, ok, what in _RULES:
                 value = getattr(s, name)
-                need(value is None or ok(value), f"samples[{i}].{name} {what}, got {value!r}")
+                need(value is None or ok(value), f"samples[{i}].{name} {what}, got {value!r}", f"samples[{i}].{name}")
         need(self.samples is None or self.n == len(self.samples),
-             f"n ({self.n}) must equal the number of samples ({len(self.samples or [])}); leave n out when giving samples")
+             f"n ({self.n}) must equal the number of samples ({len(self.samples or [])}); leave n out when giving samples", "n")
         if self.logit_bias is not None:
             bias = self.logit_bias
             need(isinstance(bias, dict) and len(bias) <= MAX_LOGIT_BIAS_TOKENS,
-                 f"logit_bias must be an object of at most {MAX_LOGIT_BIAS_TOKENS} token id -> bias entries")
+                 f"logit_bias must be an object of at most {MAX_LOGIT_BIAS_TOKENS} token id -> bias entries", "logit_bias")
             for tok, b in bias.items():
-                need(_is_int(tok) and tok >= 0, f"logit_bias keys must be token ids (integers >= 0), got {tok!r}")
+                need(_is_int(tok) and tok >= 0, f"logit_bias keys must be token ids (integers >= 0), got {tok!r}", "logit_bias")
                 need(_is_num(b) and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS,
-                     f"logit_bias values must be in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {b!r} for token {tok}")
+                     f"logit_bias values must be in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {b!r} for token {tok}", "logit_bias")
         need(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS),
-             f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}")
+             f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}", "logprobs")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         need(isinstance(self.stop, (list, tuple)) and len(self.stop) <= MAX_STOP_STRINGS,
-             f"stop must be a list of at most {MAX_STOP_STRINGS} strings")
+             f"stop must be a list of at most {MAX_STOP_STRINGS} strings", "stop")
         need(all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_LENGTH for s in self.stop),
-             f"each stop string must be a non-empty string of at most {MAX_STOP_LENGTH} characters")
+             f"each stop string must be a non-empty string of at most {MAX_STOP_LENGTH} characters", "stop")
         self.stop = list(self.stop)
         return self
 

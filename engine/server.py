@@ -47,7 +47,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from laneplay.engine.errors import ContextLengthError, KVBudgetError, ParameterError, PromptError
 from laneplay.engine.sampling import SAMPLE_KEYS, SamplingParams
+from laneplay.protocol import QUEUED, RUNNING, SHARING, SPECULATIVE, sse_comment
 from laneplay.limits import MAX_TOP_LOGPROBS
 from laneplay.engine.scheduler import MAX_ROWS, PRIORITIES, STARTED, Job, Queued, QueueFull, Scheduler
 from laneplay.engine.speculative import MODES as SPECULATIVE_MODES
@@ -79,8 +81,6 @@ _INT, _NUM, _BOOL = ((int,), "an integer"), ((int, float), "a number"), ((bool,)
 _STR, _OBJ = ((str,), "a string"), ((dict,), "an object")
 _JSON_TYPES = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "an array",
                dict: "an object"}
-_SAMPLING_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "stop", "samples",
-                    "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "logprobs")
 _SAMPLE_KINDS = {"temperature": _NUM, "top_p": _NUM, "top_k": _INT, "min_p": _NUM, "seed": _INT,
                  "frequency_penalty": _NUM, "presence_penalty": _NUM, "repetition_penalty": _NUM}
 
@@ -365,12 +365,26 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
-def _param_of(message: str, chat: bool) -> str:
-    """Which request field an engine validation message is about (they start with the field's name)."""
-    head = message.split(" ", 1)[0]
-    if head in _SAMPLING_PARAMS or head.startswith("samples["):  # e.g. "samples[2].temperature"
-        return head
-    return "stop" if "stop string" in message else ("messages" if chat else "prompt")
+# ---- the engine's refusals -> HTTP ----------------------------------------------------------------
+# How each kind of refusal is answered: (HTTP status, OpenAI error type, code). The first class of an
+# error's MRO that is listed decides; a plain ValueError is the chat template's or the tokenizer's.
+ENGINE_ERRORS: dict[type, tuple[int, str, str]] = {
+    ContextLengthError: (400, "invalid_request_error", "context_length_exceeded"),
+    KVBudgetError: (400, "invalid_request_error", "invalid_value"),
+    ParameterError: (400, "invalid_request_error", "invalid_value"),
+    PromptError: (400, "invalid_request_error", "invalid_value"),
+    ValueError: (400, "invalid_request_error", "invalid_value"),
+    QueueFull: (429, "rate_limit_error", "queue_full"),
+}
+
+
+def engine_error(e: Exception, chat: bool, headers: dict | None = None) -> APIError:
+    """The answer to an engine's refusal (`ENGINE_ERRORS`); a refusal that names no field is about the prompt."""
+    status, kind, code = next(ENGINE_ERRORS[c] for c in type(e).__mro__ if c in ENGINE_ERRORS)
+    param = getattr(e, "param", None)
+    if param is None and isinstance(e, ValueError):
+        param = "messages" if chat else "prompt"
+    return APIError(status, str(e), param, code, kind, headers)
 
 
 # ---- responses -----------------------------------------------------------------------------------
@@ -519,23 +533,23 @@ async def stream_reply(reply: Reply, n: int, include_usage: bool, scheduler: Sch
     spec_counts: dict[int, tuple] = {}
     position = scheduler.position(reply.job) if scheduler is not None else None
     if position is not None:
-        yield f": laneplay queued {position}\n\n"
+        yield sse_comment(QUEUED, position)
     try:
         async for ev in reply.job.stream():
             if ev is STARTED:
-                yield ": laneplay running\n\n"
+                yield sse_comment(RUNNING)
                 continue
             if isinstance(ev, Queued):  # its place in line moved
-                yield f": laneplay queued {ev.position}\n\n"
+                yield sse_comment(QUEUED, ev.position)
                 continue
             if reply.job.sharing != sharing:  # how many other requests share the engine's steps now
                 sharing = reply.job.sharing
-                yield f": laneplay sharing {sharing}\n\n"
+                yield sse_comment(SHARING, sharing)
             m = ev.metrics
             counts = (m.draft_tokens, m.accepted_tokens, m.decode_steps, m.completion_tokens)
             if m.speculative == "lookup" and spec_counts.get(ev.sample_index) != counts:  # the meter's live numbers
                 spec_counts[ev.sample_index] = counts
-                yield f": laneplay speculative {ev.sample_index} {' '.join(map(str, counts))}\n\n"
+                yield sse_comment(SPECULATIVE, ev.sample_index, *counts)
             reason = _api_reason(ev.finish_reason)
             chunk = reply.chunk(ev.sample_index, ev.text, reason, first=ev.sample_index not in started,
                                 tokens=ev.logprobs)
@@ -765,16 +779,14 @@ def create_app(engine, *, api_key: str | None = None, max_queue: int = 32, reque
         try:  # tokenizing a long prompt takes a moment: off the event loop
             ids, params = await run_in_threadpool(engine.prepare, req.prompt, req.params, chat)
         except ValueError as e:
-            code = "context_length_exceeded" if "context" in str(e) else "invalid_value"
-            raise APIError(400, str(e), _param_of(str(e), chat), code) from None
+            raise engine_error(e, chat) from None
         if not req.max_tokens_given:
             params.max_tokens = min(DEFAULT_MAX_TOKENS, context - len(ids))
         try:
             job = scheduler.submit(ids, params, dtp=req.dtp, priority=req.priority, speculative=req.speculative)
         except QueueFull as e:
             retry = str(max(1, math.ceil(scheduler.mean_job_s)))
-            raise APIError(429, str(e), code="queue_full", type="rate_limit_error",
-                           headers={"Retry-After": retry}) from None
+            raise engine_error(e, chat, headers={"Retry-After": retry}) from None
         echo = "" if not req.echo else req.prompt if isinstance(req.prompt, str) else engine.tokenizer.decode(ids)
         reply = Reply(chat, served, job, engine, echo)
         if req.stream:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from laneplay.engine.checkpoint import DEFAULT_MODEL
 from laneplay.engine.runtime import DTYPE_CHOICES, PREFILL_CHUNK
+from laneplay.protocol import STAGE_WARMING_UP, stage_line
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,7 +56,7 @@ def run(args) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
         log.warning("listening on %s without an API key: anyone who can reach it can use the engine", args.host)
     def stage(name: str) -> None:  # one line per stage on stderr: `laneplay serve` shows them
-        print(f"laneplay-engine-stage: {name}", file=sys.stderr, flush=True)
+        print(stage_line(name), file=sys.stderr, flush=True)
 
     try:
         eng = load_engine(args.model, device=args.device, dtype=args.dtype, world_size=args.world_size,
@@ -69,7 +70,7 @@ def run(args) -> int:
     app = None
     try:
         # One tiny request first, so the first client does not pay for lazy initialisation.
-        stage("warming up")
+        stage(STAGE_WARMING_UP)
         for _ in eng.generate("Hello", SamplingParams(max_tokens=2, temperature=0.0)):
             pass
         name = args.served_model_name or (None if Path(args.model).expanduser().exists() else args.model)

@@ -40,6 +40,23 @@ def _is_chat(prompt) -> bool:
     return isinstance(prompt, list)
 
 
+def request_body(prompt, n: int, temperature: float, seed: int | None, max_tokens: int, top_p: float = 1.0,
+                 model: str | None = None) -> tuple[dict, bool]:
+    """The request to an engine server for n samples of one prompt (a text or chat messages), as `laneplay
+    eval` and the app's pass@N send it: (body, chat?). Greedy requests ignore top_p."""
+    chat = _is_chat(prompt)
+    body = {"n": n, "temperature": temperature, "top_p": top_p if temperature > 0 else 1.0,
+            "max_tokens": max_tokens, "seed": seed}
+    if model:
+        body["model"] = model
+    if chat:
+        body["messages"] = prompt
+    else:
+        body["prompt"] = prompt
+        body["stop"] = list(STOP_SEQUENCES[:REMOTE_STOP_LIMIT])  # the rest are cut by the extraction
+    return body, chat
+
+
 class LocalGenerate:
     """Generates with an engine loaded in this process (`engine.load_engine`)."""
 
@@ -76,53 +93,39 @@ class RemoteGenerate:
     """Generates through an engine server's OpenAI-compatible API (non-streaming requests)."""
 
     def __init__(self, url: str, model: str | None = None, top_p: float = 1.0, timeout_s: float = 3600.0):
-        import httpx
+        from laneplay.api_client import EngineError, SyncEngineClient
 
-        base = url.rstrip("/")
-        base = base[:-3] if base.endswith("/v1") else base
         key = os.environ.get("LANEPLAY_API_KEY")  # the server's --api-key, if it has one
-        self.client = httpx.Client(base_url=base, timeout=timeout_s,
-                                   headers={"Authorization": f"Bearer {key}"} if key else None)
+        self.client = SyncEngineClient(url, api_key=key, timeout_s=timeout_s, connect_s=timeout_s)
         self.url, self.model, self.top_p = url, model, top_p
         self.device = "remote"
         self.batches: list[Batch] = []
         try:  # reachable? and which model it serves (a server without /v1/models is fine too)
-            r = self.client.get("/v1/models")
-        except httpx.HTTPError as e:
-            raise OSError(f"the engine server at {url} did not answer ({e})") from None
-        try:
-            models = r.json().get("data") if r.status_code == 200 else None
-        except (ValueError, AttributeError):
+            models = self.client.models()
+        except EngineError as e:
+            if e.status is None:
+                raise OSError(f"the engine server at {url} did not answer ({e.cause}: {e.message})") from None
             models = None
-        if not self.model and models and isinstance(models[0], dict):
+        if not self.model and models:
             self.model = models[0].get("id")
         # A Laneplay engine runs an evaluation as batch work: interactive users of the same engine go first.
-        self.ours = bool(models) and isinstance(models[0], dict) and models[0].get("owned_by") == "laneplay"
+        self.ours = bool(models) and models[0].get("owned_by") == "laneplay"
 
     def __call__(self, prompt, n: int, temperature: float, seed: int | None, max_tokens: int) -> list[str]:
-        import httpx
+        from laneplay.api_client import EngineError, endpoint
 
-        chat = _is_chat(prompt)
-        body = {"n": n, "temperature": temperature, "max_tokens": max_tokens, "seed": seed,
-                "top_p": self.top_p if temperature > 0 else 1.0}
-        if self.model:
-            body["model"] = self.model
+        body, chat = request_body(prompt, n, temperature, seed, max_tokens, self.top_p, self.model)
         if self.ours:
             body["laneplay"] = {"priority": "batch"}
-        if chat:
-            path, body["messages"] = "/v1/chat/completions", prompt
-        else:
-            path, body["prompt"] = "/v1/completions", prompt
-            body["stop"] = list(STOP_SEQUENCES[:REMOTE_STOP_LIMIT])  # the rest are cut by the extraction
         start = time.perf_counter()
         try:
-            r = self.client.post(path, json=body)
-        except httpx.HTTPError as e:
-            raise RuntimeError(f"the engine server at {self.url} did not answer ({e})") from None
+            reply = self.client.complete(body, chat)
+        except EngineError as e:
+            if e.status is None:
+                raise RuntimeError(f"the engine server at {self.url} did not answer ({e.message})") from None
+            raise RuntimeError(f"the engine server at {self.url} answered {e.status} on {endpoint(chat)}: "
+                               f"{e.message}") from None
         seconds = time.perf_counter() - start
-        if r.status_code != 200:
-            raise RuntimeError(f"the engine server at {self.url} answered {r.status_code} on {path}: {r.text[:300]}")
-        reply = r.json()
         self.model = self.model or reply.get("model")
         choices = sorted(reply.get("choices") or [], key=lambda c: c.get("index", 0))
         if len(choices) != n:

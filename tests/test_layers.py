@@ -3,9 +3,10 @@
 Data flows one way: app -> (HTTP) -> engine -> kernels. Kernels import nothing of ours; the engine
 imports no app, storage, evals or bench module; the app imports no engine module (it learns the model
 from the engine's JSON) and nothing of bench; bench may import anything, and nothing imports bench.
-Beside the packages sit a few modules of their own: `limits` and `processes` import nothing of ours (any
-layer may use them), `perfmodel` (used by the app and the benchmarks) reads the engine's config rules,
-and `cli` only names the commands' modules.
+Beside the packages sit a few modules of their own: `limits`, `processes` and `protocol` (the words of our
+API beyond OpenAI's) import nothing of ours (any layer may use them), `api_client` (the one client of our
+API, for the app, the evaluations and the benchmarks) only `protocol`, `perfmodel` (used by the app and the
+benchmarks) reads the engine's config rules, and `cli` only names the commands' modules.
 """
 from __future__ import annotations
 
@@ -16,19 +17,21 @@ from pathlib import Path
 import pytest
 
 PARTS = ("kernels", "engine", "storage", "evals", "app", "bench", "static")
-LEAVES = {"limits", "processes"}  # beside the packages, importing nothing of ours
+LEAVES = {"limits", "processes", "protocol"}  # beside the packages, importing nothing of ours
 
 # What each layer may import (besides itself and the leaves); None: anything.
 ALLOWED: dict[str, set[str] | None] = {
     "kernels": set(),
     "engine": {"kernels"},
     "storage": set(),
-    "evals": {"engine", "storage"},
-    "app": {"evals", "storage", "perfmodel"},
+    "evals": {"engine", "storage", "api_client"},
+    "app": {"evals", "storage", "perfmodel", "api_client"},
     "bench": None,
     "static": set(),
     "limits": set(),
     "processes": set(),
+    "protocol": set(),
+    "api_client": set(),  # and the leaves (protocol)
     "perfmodel": {"engine.config"},  # the engine's own schedule rules, not its runtime
     "cli": None,  # imports each command's module by name, as a string
     "__main__": {"cli"},
@@ -123,7 +126,8 @@ def test_every_part_of_the_package_is_read(edges):
     mods = installed_modules()
     for part in ("kernels", "engine", "app", "bench", "evals", "storage"):
         assert sum(layer_of(m) == part for m in mods) >= 3, part
-    assert {"laneplay.limits", "laneplay.processes", "laneplay.perfmodel", "laneplay.cli"} <= set(mods)
+    assert {"laneplay.limits", "laneplay.processes", "laneplay.protocol", "laneplay.api_client", "laneplay.perfmodel",
+            "laneplay.cli"} <= set(mods)
     assert ("laneplay.engine.lowbit_step", "laneplay.kernels.lowbit") in {(s, d) for s, _, d in edges}
 
 
@@ -146,12 +150,15 @@ def test_the_checks_see_a_breach():
            ("laneplay.engine.loader", 2, "laneplay.storage.Store"),
            ("laneplay.app.dtpview", 3, "laneplay.engine.config.ModelConfig"),
            ("laneplay.app.dtpview", 4, "laneplay.bench.perfmodel"),
-           ("laneplay.perfmodel", 5, "laneplay.engine.model")]
+           ("laneplay.perfmodel", 5, "laneplay.engine.model"),
+           ("laneplay.engine.server", 11, "laneplay.api_client.EngineClient")]
     good = [("laneplay.engine.model", 6, "laneplay.kernels.lowbit"),
             ("laneplay.app.params", 7, "laneplay.limits"),
             ("laneplay.app.dtpview", 8, "laneplay.perfmodel.predict"),
             ("laneplay.bench.decode", 9, "laneplay.app.supervisor.LocalEngine"),
-            ("laneplay.perfmodel", 10, "laneplay.engine.config.ModelConfig")]
+            ("laneplay.perfmodel", 10, "laneplay.engine.config.ModelConfig"),
+            ("laneplay.engine.server", 12, "laneplay.protocol.sse_comment"),
+            ("laneplay.evals.engine_generate", 13, "laneplay.api_client.SyncEngineClient")]
     assert len(violations(bad)) == len(bad) and violations(good) == []
     assert layer_cycles([("laneplay.app.x", 1, "laneplay.bench.y"), ("laneplay.bench.y", 2, "laneplay.app.z")])
     assert layer_cycles(good) == []

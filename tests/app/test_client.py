@@ -9,7 +9,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from laneplay.app.client import EngineClient, EngineError, StreamTimer
+from laneplay.api_client import EngineClient, EngineError, StreamTimer
 from laneplay.app.supervisor import RemoteEngine
 
 from .serving import serve

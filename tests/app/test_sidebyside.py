@@ -10,7 +10,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from laneplay.app.client import EngineClient, StreamEvent
+from laneplay.api_client import EngineClient, StreamEvent
 from laneplay.app.context import InputError
 from laneplay.app.sidebyside import (PRESETS, aggregate, aggregate_html, batch_request, column_code, column_requests,
                                      engine_requests, entry_point_of, preset, problem_for, reference_ms, settings,
