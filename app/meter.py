@@ -8,7 +8,9 @@ Stop ended, its numbers up to the stop; `error` has a note that says what failed
 `data-engine-ttft-ms` (the engine's own TTFT, from when it took the request), `data-queue-ms` (how long
 the request waited for the engine), `data-sharing` (how many other requests shared the engine's steps
 with it, now or at the end), `data-ms-per-token`, `data-elapsed-ms`, `data-source` ("server": the
-engine's own timing; "app": timed here from the stream, for servers that send none).
+engine's own timing; "app": timed here from the stream, for servers that send none), and while the engine
+speculates (prompt lookup, engine/speculative.py) `data-accepted-per-step` (tokens per decode step) and
+`data-acceptance` (accepted drafts / drafts): the engine's counts, live, then its final ones.
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ class MeterData:
     engine_ttft_ms: float | None = None  # the engine's own, from when it took the request
     queue_ms: float | None = None
     sharing: int | None = None  # other requests in the engine's steps
+    accepted_per_step: float | None = None  # speculation: tokens per decode step after the first token
+    acceptance: float | None = None  # speculation: accepted draft tokens / draft tokens
     ms_per_token: float | None = None
     elapsed_ms: float = 0.0
     device: str | None = None
@@ -68,6 +72,14 @@ def _title(text: str) -> str:
     return f' title="{html.escape(text, quote=True)}"'
 
 
+def _spec_sub(d: MeterData) -> str:
+    """Under tokens/s while the engine speculates: tokens per step and how many drafts it kept."""
+    if d.accepted_per_step is None:
+        return ""
+    kept = f" · {100 * d.acceptance:.0f}% of drafts kept" if d.acceptance is not None else ""
+    return f"{d.accepted_per_step:.2f} tokens/step{kept}"
+
+
 def _num(x: float | None, fmt: str) -> str:
     return "–" if x is None else format(x, fmt)
 
@@ -89,6 +101,8 @@ def render(d: MeterData, elem_id: str = "meter", compact: bool = False, resting:
         "data-engine-ttft-ms": "" if d.engine_ttft_ms is None else f"{d.engine_ttft_ms:.1f}",
         "data-queue-ms": "" if d.queue_ms is None else f"{d.queue_ms:.0f}",
         "data-sharing": "" if d.sharing is None else str(d.sharing),
+        "data-accepted-per-step": "" if d.accepted_per_step is None else f"{d.accepted_per_step:.3f}",
+        "data-acceptance": "" if d.acceptance is None else f"{d.acceptance:.3f}",
         "data-ms-per-token": "" if d.ms_per_token is None else f"{d.ms_per_token:.2f}",
         "data-elapsed-ms": f"{d.elapsed_ms:.0f}", "data-source": d.source, "data-dtype": d.dtype or "",
         "data-latencies": ",".join(f"{x:.1f}" for x in lat),
@@ -104,6 +118,7 @@ def render(d: MeterData, elem_id: str = "meter", compact: bool = False, resting:
     body = "".join(f'<div class="lp-cell lp-{key}"><span class="lp-k">{k}</span>'
                    f'<span class="lp-v"{_title(titles[key]) if titles.get(key) else ""}>{html.escape(v)}</span>'
                    + (f'<span class="lp-sub">{html.escape(_ttft_sub(d))}</span>' if key == "ttft" and _ttft_sub(d) else "")
+                   + (f'<span class="lp-sub">{html.escape(_spec_sub(d))}</span>' if key == "tps" and _spec_sub(d) else "")
                    + '</div>' for k, v, key in cells)
     why = ("the engine's timing of a stopped request did not arrive: timed here, from the stream"
            if d.state == "stopped" else "the server sent no timing: timed here, from the stream")

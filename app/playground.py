@@ -18,7 +18,8 @@ from laneplay.storage import NotFound, ValidationError
 MODES = [("Complete the code in the editor", "complete"), ("Chat: instruction + code as context", "chat")]
 EXAMPLE_CODE = "def is_palindrome(s: str) -> bool:\n"
 # Generate's, in order
-SAMPLING_INPUTS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stops", *PENALTIES, "show_tokens")
+SAMPLING_INPUTS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stops", *PENALTIES, "show_tokens",
+                   "speculative")
 STORED_PARAMS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", *PENALTIES)  # the session keeps
 EXAMPLE_INSTRUCTION = "Write a Python function is_palindrome(s) that ignores case and non-alphanumeric characters."
 
@@ -104,6 +105,11 @@ def with_logprobs(body: dict, chat: bool) -> dict:
     return {**body, "logprobs": tokenview.TOP_LOGPROBS}
 
 
+def with_speculation(body: dict, on: bool) -> dict:
+    """The request's prompt-lookup speculation: "auto" (the engine drafts where it pays) or "off"."""
+    return {**body, "laneplay": {**body.get("laneplay", {}), "speculative": "auto" if on else "off"}}
+
+
 class Playground:
     """The tab's handlers: Generate and Stop per page (`stream.Pages`), Share."""
 
@@ -111,7 +117,7 @@ class Playground:
         self.ctx, self.pages = ctx, Pages()
 
     async def generate(self, code_text, instruction_text, mode_value, temp, tp, tk, mt, sd, stop_text, fp, pp, rp,
-                       show_tokens, sid, request: gr.Request):
+                       show_tokens, speculative, sid, request: gr.Request):
         try:  # everything is checked first: a bad value is a message, nothing stored, nothing sent
             code_text, instruction_text = check_texts(code_text, instruction_text, mode_value)
             params = sampling(temp, tp, tk, mt, sd, stop_text, self.ctx.engine.info,  # max tokens: its context
@@ -124,18 +130,20 @@ class Playground:
         ticket = self.pages.begin(page_key(self.ctx, request))
         try:
             async with aclosing(self._generate(ticket, code_text, instruction_text, mode_value, params, sid,
-                                               owner, bool(show_tokens))) as views:
+                                               owner, bool(show_tokens), bool(speculative))) as views:
                 async for v in views:
                     yield v.row()
         finally:
             ticket.end()
 
     async def _generate(self, ticket: Ticket, code_text, instruction_text, mode_value, params, sid, owner,
-                        show_tokens: bool = True):
+                        show_tokens: bool = True, speculative: bool = True):
         ctx = self.ctx
         body, chat = request_body(mode_value, code_text, instruction_text, params, None)
         if show_tokens:
             body = with_logprobs(body, chat)
+        if (ctx.engine.info or {}).get("laneplay", True) is not False:  # ours: speculation "auto" or "off"
+            body = with_speculation(body, speculative)
         g = Generation.of(1)
         col = g.columns[0]
         async for _ in g.run(ctx, [(None, body, chat)], ticket.wanted):
@@ -209,6 +217,9 @@ def _sampling_ui() -> dict:
                                                  elem_id="repetition-penalty", interactive=True, min_width=80)
         ui["show_tokens"] = gr.Checkbox(value=True, label="Token view: each token's probability and its alternatives",
                                         elem_id="show-tokens", interactive=True)
+        ui["speculative"] = gr.Checkbox(value=True, label="Speculative decoding: draft from the prompt (prompt "
+                                        "lookup), verify several tokens per step; same tokens", elem_id="speculative",
+                                        interactive=True)
     return ui
 
 

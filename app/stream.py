@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from laneplay.api_client import EngineError, StreamEvent, StreamTimer
+from laneplay.protocol import SPECULATIVE
 from laneplay.app.meter import MeterData
 
 UPDATE_EVERY_S = 0.1  # at most ten page updates a second while tokens stream
@@ -112,6 +113,12 @@ async def engine_ready(engine, wanted: Callable[[], bool] = lambda: True,
 
 # ---- one generation ----------------------------------------------------------------------------------
 
+def speculation(drafts: int, accepted: int, steps: int, tokens: int) -> tuple[float | None, float | None]:
+    """(tokens per decode step, accepted drafts / drafts) from the engine's counts: its steps after the first
+    token (plain ones and verifies) and the tokens they gave."""
+    return ((tokens - 1) / steps if steps else None), (accepted / drafts if drafts else None)
+
+
 def _sharing_note(others: int | None) -> str:
     if not others:
         return ""
@@ -146,6 +153,9 @@ class Column:
             m.queue_ms = request["queue_ms"]
         if request and request.get("shared_with") is not None:
             m.sharing = request["shared_with"] if m.sharing is None else max(m.sharing, request["shared_with"])
+        if t.get("speculative") == "lookup" and t.get("decode_steps") is not None:  # its final speculation counts
+            m.accepted_per_step, m.acceptance = speculation(t.get("draft_tokens") or 0, t.get("accepted_tokens") or 0,
+                                                            t["decode_steps"], t.get("completion_tokens") or 0)
         if m.ttft_ms is None and m.engine_ttft_ms is not None:  # no text came: the engine's, plus the wait
             m.ttft_ms = m.engine_ttft_ms + (m.queue_ms or 0.0)
 
@@ -178,7 +188,9 @@ class Generation:
         """One stream event into its column(s). `col`: the column of a per-column request, None for one
         request whose deltas go by the choice's `index` and whose other events concern every column."""
         n = len(self.columns)
-        targets = range(n) if col is None and ev.kind != "delta" else [ev.index if col is None else col]
+        index = int(ev.args[0]) if ev.kind == SPECULATIVE and ev.args else ev.index  # a choice's own event
+        mine = ev.kind in ("delta", SPECULATIVE)
+        targets = range(n) if col is None and not mine else [index if col is None else col]
         for i in (i for i in targets if 0 <= i < n):
             c, m = self.columns[i], self.columns[i].meter
             if ev.kind == "queued":
@@ -190,6 +202,8 @@ class Generation:
                 m.sharing = ev.position
                 if m.state == "running" and not c.finish:
                     m.note = _sharing_note(ev.position)
+            elif ev.kind == SPECULATIVE and len(ev.args) == 5:  # the choice's live counts
+                m.accepted_per_step, m.acceptance = speculation(*map(int, ev.args[1:]))
             elif ev.kind == "delta":
                 t = self.timer.on_delta(i, ev.text, (ev.timing or {}).get("finish_reason"))
                 c.text += ev.text

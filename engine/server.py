@@ -406,7 +406,7 @@ def choice_timing(index: int, m) -> dict:
     return {"index": index, "ttft_ms": _ms(m.ttft_ms), "decode_tokens_per_second": _ms(m.decode_tokens_per_second),
             "ms_per_token": _ms(m.ms_per_token), "total_ms": _ms(m.total_ms), "completion_tokens": m.completion_tokens,
             "finish_reason": _api_reason(m.finish_reason), "seed": m.seed, "temperature": m.temperature,
-            "top_p": m.top_p, "top_k": m.top_k, "min_p": m.min_p, "draft_tokens": m.draft_tokens,
+            "top_p": m.top_p, "top_k": m.top_k, "min_p": m.min_p, "speculative": m.speculative, "draft_tokens": m.draft_tokens,
             "accepted_tokens": m.accepted_tokens, "decode_steps": m.decode_steps}
 
 
