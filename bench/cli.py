@@ -1,8 +1,9 @@
 """`laneplay bench`: run the benchmarks (each prints a table and writes JSON to bench/results/).
 
-`--quick` is a smoke run that finishes in a few minutes on two cores: eager float32 and the int4 default, one round, short
-generations, one long prompt; its numbers show the machinery works, not the speed (run the full
-benchmark on a quiet machine for that).
+`--quick` is a smoke run that finishes in about a minute on two cores: eager float32 and the int4 default (also
+served), the peers, one round, 4-token generations, a 160-token long prompt (two prefill chunks), a
+4-token DTP run; its JSON has the full run's shape, and its numbers show the machinery works, not the
+speed (run the full benchmark on a quiet machine for that).
 """
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ BENCHMARKS = {
     "spec": "laneplay.bench.spec",  # prompt-lookup speculation on code edits and plain completions
 }
 ALL = ("decode", "dtp", "prefill")  # what `laneplay bench` runs without a name
-QUICK = {"decode": ["--rounds", "1", "--new-tokens", "16", "--ours", "eager", "--half", "", "--lowbit", "int4",
-                    "--samples", "2,4",
-                    "--prompts", "short,512", "--bandwidth-gib", "0.25"],
-         "dtp": ["--rounds", "1", "--tokens", "8", "--width", "128"],
-         "prefill": ["--rounds", "1", "--lengths", "512", "--dtypes", "int4"],
+# Smoke sizes: every engine, peer and table of the full run, on a few tokens. The long prompts (160
+# tokens) are still longer than one prefill chunk (PREFILL_CHUNK, 128), so they are prefilled in pieces.
+QUICK = {"decode": ["--rounds", "1", "--new-tokens", "4", "--ours", "eager", "--half", "", "--lowbit", "int4",
+                    "--samples", "2,4", "--prompts", "short,160", "--bandwidth-gib", "0.25", "--split-reps", "2"],
+         "dtp": ["--rounds", "1", "--tokens", "4", "--width", "128"],
+         "prefill": ["--rounds", "1", "--lengths", "160", "--dtypes", "int4"],
          "batching": ["--rows", "1,4", "--users", "1,4", "--tokens", "16", "--join-tokens", "300",
                       "--passn-problems", "1"],
          "serving": ["--loads", "2", "--requests", "4"],
@@ -32,7 +34,7 @@ QUICK = {"decode": ["--rounds", "1", "--new-tokens", "16", "--ours", "eager", "-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("which", nargs="?", default="all", choices=["all", *BENCHMARKS],
                    help="which benchmark (default: all); `python -m laneplay.bench.<name> --help` lists its options")
-    p.add_argument("--quick", action="store_true", help="a smoke run: fewer rounds and tokens, eager engines")
+    p.add_argument("--quick", action="store_true", help="a smoke run: one round, a few tokens, short prompts, eager engines")
     p.add_argument("--peers", default=None, help="decode: peers beside ours (default transformers,llama.cpp; a peer "
                    "that is not installed is skipped with a message)")
     p.add_argument("--allow-noisy", action="store_true",

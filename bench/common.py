@@ -90,6 +90,40 @@ def check_quiet(allow_noisy: bool, when: str = "before") -> dict:
     return record
 
 
+_ENGINES: dict = {}
+
+
+def default_engine(dtype: str = "float32", compile: bool = False, prefill_chunk: int | None = None):
+    """Our engine on the embedded default model, loaded once per process for each (dtype, compile,
+    prefill chunk): `laneplay bench` runs decode and prefill in one process, and both time the same
+    weight paths."""
+    from laneplay.engine import load_engine
+    from laneplay.engine.runtime import PREFILL_CHUNK
+
+    key = (dtype, bool(compile), prefill_chunk or PREFILL_CHUNK)
+    if key not in _ENGINES:
+        _ENGINES[key] = load_engine("smollm2-135m-instruct", dtype=dtype, compile=compile, prefill_chunk=key[2])
+    return _ENGINES[key]
+
+
+_HF_PEERS: dict = {}
+
+
+def hf_peer():
+    """Hugging Face transformers on the embedded default model's GGUF, dequantized to float32 (SDPA
+    attention), loaded once per process: `laneplay bench` runs decode and prefill in one process, and
+    converting the GGUF is most of a peer's load time."""
+    if "model" not in _HF_PEERS:
+        import transformers
+
+        from laneplay.engine.checkpoint import resolve_checkpoint
+
+        path = resolve_checkpoint("smollm2-135m-instruct")
+        _HF_PEERS["model"] = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation="sdpa").eval()
+    return _HF_PEERS["model"]
+
+
 def machine() -> dict:
     return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "torch": torch.__version__,
             "threads": torch.get_num_threads(), "load_average_1m": load_average(),

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from laneplay.bench.common import check_quiet, measure_bandwidth, median, print_table, write_json
+from laneplay.bench.common import check_quiet, default_engine, hf_peer, measure_bandwidth, median, print_table, write_json
 
 QUESTION = "Write a Python function that checks whether a number is prime."
 
@@ -40,13 +40,18 @@ def our_run(eng, ids, new_tokens, n=1, temperature=0.0):
     return {"ttft_ms": m.ttft_ms, "decode_tps": m.decode_tokens_per_second, "tokens": m.completion_tokens}
 
 
-def served_engine(dtype: str):
+def served_engine(dtype: str, wait: bool = True):
     """`laneplay engine` started as the playground starts it (`LocalEngine`): the model loaded on the
-    server's main thread, requests decoded on its scheduler thread, behind HTTP. Returns it ready."""
+    server's main thread, requests decoded on its scheduler thread, behind HTTP. Returns it ready, or
+    (wait=False) starting: `served_ready` waits for it, so it can load while this process loads its peers."""
     from laneplay.app.supervisor import LocalEngine
 
     eng = LocalEngine("smollm2-135m-instruct", dtype=dtype)
     eng.start()
+    return served_ready(eng, dtype) if wait else eng
+
+
+def served_ready(eng, dtype: str):
     if not eng.wait_ready(300):
         eng.stop()
         raise RuntimeError(f"`laneplay engine --dtype {dtype}` did not come up: {eng.detail}")
@@ -198,6 +203,7 @@ def main(argv=None) -> int:
     p.add_argument("--samples", default="2,4,8,16", help="batched samples n to time against batch 1 ('' for none)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--bandwidth-gib", type=float, default=1.0, help="size of the bandwidth probe (DRAM: >= 0.25)")
+    p.add_argument("--split-reps", type=int, default=20, help="timed calls per part of a step's split")
     p.add_argument("--allow-noisy", action="store_true", help="report on a busy machine (numbers flagged noisy)")
     p.add_argument("--out", default=None, help="folder for the JSON (default: bench/results)")
     args = p.parse_args(argv)
@@ -206,24 +212,23 @@ def main(argv=None) -> int:
     peers = [x for x in _csv(args.peers) if not (args.no_hf and x == "transformers")]
     unknown = (set(peers) - {"transformers", "llama.cpp"} | set(_csv(args.ours)) - {"compiled", "eager"}
                | (set(_csv(args.lowbit)) | set(_csv(args.served))) - {"int4", "int8"})
-    if unknown or args.rounds < 1 or args.new_tokens < 2:
-        p.error(f"unknown peer or engine {sorted(unknown)}" if unknown else "--rounds >= 1 and --new-tokens >= 2")
-    from laneplay.engine import load_engine
-
+    if unknown or args.rounds < 1 or args.new_tokens < 2 or args.split_reps < 1:
+        p.error(f"unknown peer or engine {sorted(unknown)}" if unknown
+                else "--rounds >= 1, --new-tokens >= 2 and --split-reps >= 1")
     quiet = [check_quiet(args.allow_noisy, "before")]
     t = time.perf_counter()
     ours = {}
     for kind in _csv(args.ours):
-        ours[f"ours ({kind})"] = load_engine("smollm2-135m-instruct", compile=kind == "compiled")
+        ours[f"ours ({kind})"] = default_engine(compile=kind == "compiled")
     compile_s = time.perf_counter() - t
     for dt in _csv(args.half):
-        ours[f"ours (compiled, {dt})"] = load_engine("smollm2-135m-instruct", dtype=dt, compile=True)
+        ours[f"ours (compiled, {dt})"] = default_engine(dt, compile=True)
     notes = []
     from laneplay.kernels import lowbit
 
     for dt in _csv(args.lowbit):
         if lowbit.available():
-            ours[f"ours ({dt})"] = load_engine("smollm2-135m-instruct", dtype=dt)
+            ours[f"ours ({dt})"] = default_engine(dt)
         else:
             notes.append(f"ours ({dt}) skipped: the low-bit CPU kernels are not built (`make venv` builds them)")
             print(notes[-1])
@@ -233,18 +238,19 @@ def main(argv=None) -> int:
         prompts[name] = (first.tokenizer.encode_chat([{"role": "user", "content": QUESTION}]) if name == "short"
                          else long_prompt_ids(first.tokenizer, int(name)))
     contenders = {name: (lambda ids, k, e=e: our_run(e, ids, k)) for name, e in ours.items()}
-    servers = []
-    for dt in _csv(args.served) if lowbit.available() else []:
-        servers.append(served_engine(dt))
-        contenders[f"ours ({dt}, served)"] = lambda ids, k, url=servers[-1].url: served_run(url, ids, k)
-    if "transformers" in peers:
-        import transformers
-
-        from laneplay.engine.checkpoint import resolve_checkpoint
-
-        path = resolve_checkpoint("smollm2-135m-instruct")
-        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                               dtype=torch.float32).eval()
+    # the served engines load in their own processes while this one loads the peers (nothing is timed yet)
+    served = [(dt, served_engine(dt, wait=False)) for dt in (_csv(args.served) if lowbit.available() else [])]
+    servers = [eng for _, eng in served]
+    try:
+        hf = hf_peer() if "transformers" in peers else None
+        for dt, eng in served:
+            served_ready(eng, dt)
+            contenders[f"ours ({dt}, served)"] = lambda ids, k, url=eng.url: served_run(url, ids, k)
+    except BaseException:
+        for eng in servers:
+            eng.stop()
+        raise
+    if hf is not None:
         contenders["transformers (eager)"] = lambda ids, k: hf_run(hf, ids, k)
     llm = None
     if "llama.cpp" in peers:
@@ -257,7 +263,7 @@ def main(argv=None) -> int:
     runs = {(name, pname): [] for pname in prompts for name in contenders}
     for pname, ids in prompts.items():
         for fn in contenders.values():
-            fn(ids, 8)  # warm-up at this prompt length (compiled code may specialise)
+            fn(ids, min(8, args.new_tokens))  # warm-up at this prompt length (compiled code may specialise)
     for r in range(args.rounds):  # interleaved, so drift hits every engine alike
         for pname, ids in prompts.items():
             for name, fn in contenders.items():
@@ -306,7 +312,7 @@ def main(argv=None) -> int:
         batched.append({"engine": "n=1", "n": 1, "per_sample_tps": median([r["decode_tps"] for r in one]),
                         "ttft_ms": median([r["ttft_ms"] for r in one])})
     for n in ns:
-        our_run(base, short, 4, n=n, temperature=0.8)  # warm-up at this batch size
+        our_run(base, short, min(4, args.new_tokens), n=n, temperature=0.8)  # warm-up at this batch size
         rs = [our_run(base, short, args.new_tokens, n=n, temperature=0.8) for _ in range(max(1, args.rounds // 2))]
         batched.append({"engine": f"n={n}", "n": n, "per_sample_tps": median([r["decode_tps"] for r in rs]),
                         "ttft_ms": median([r["ttft_ms"] for r in rs])})
@@ -315,7 +321,7 @@ def main(argv=None) -> int:
         b_["step_cost_vs_n1"] = batched[0]["per_sample_tps"] / b_["per_sample_tps"]
     from laneplay.bench.split import decode_split
 
-    split = [{"engine": name, "prompt": pname, **decode_split(e, ids)}
+    split = [{"engine": name, "prompt": pname, **decode_split(e, ids, reps=args.split_reps)}
              for pname, ids in prompts.items() for name, e in ours.items()]
     noisy = not all(q["quiet"] for q in quiet)
     print(f"\nSmolLM2-135M-Instruct, batch 1, greedy, {torch.get_num_threads()} threads, {args.new_tokens} new tokens; "

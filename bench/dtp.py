@@ -56,6 +56,8 @@ def main(argv=None) -> int:
     p.add_argument("--allow-noisy", action="store_true", help="report on a busy machine (numbers flagged noisy)")
     p.add_argument("--out", default=None, help="folder for the JSON (default: bench/results)")
     args = p.parse_args(argv)
+    if args.tokens < 2 or args.rounds < 1:
+        p.error("--tokens >= 2 and --rounds >= 1")
     quiet = [check_quiet(args.allow_noisy, "before")]
     from laneplay.engine import load_engine
     from laneplay.engine.checkpoint import random_laneformer_tensors, write_checkpoint
@@ -66,7 +68,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="laneplay-bench-") as d:
         write_checkpoint(d, raw, random_laneformer_tensors(raw, seed=0))
         single = load_engine(d, device=args.device, compile=False)
-        run_mode(single, 8, 1)
+        run_mode(single, min(8, args.tokens), 1)
         rows.append({"mode": "single process (all lanes local)", "world": 1, **run_mode(single, args.tokens, args.rounds)})
         single.close()
         if ws > 1:
@@ -74,7 +76,7 @@ def main(argv=None) -> int:
             try:
                 for wait_now in (False, True, False):  # delayed twice: before and after, to see drift
                     eng.runner.configure(wait_now=wait_now, timeline=True)
-                    run_mode(eng, 8, 1)
+                    run_mode(eng, min(8, args.tokens), 1)
                     name = "wait now (exposed)" if wait_now else "delayed (DTP)"
                     rows.append({"mode": name, "world": ws, **run_mode(eng, args.tokens, args.rounds)})
             finally:

@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from laneplay.bench.common import check_quiet, median, print_table, write_json
+from laneplay.bench.common import check_quiet, default_engine, hf_peer, median, print_table, write_json
 from laneplay.engine.runtime import PREFILL_CHUNK
 
 SNIPPET = "def f{i}(x):\n    return x * {i} + 1\n\n"
@@ -91,10 +91,8 @@ def main(argv=None) -> int:
     p.add_argument("--allow-noisy", action="store_true", help="report on a busy machine (numbers flagged noisy)")
     p.add_argument("--out", default=None, help="folder for the JSON (default: bench/results)")
     args = p.parse_args(argv)
-    from laneplay.engine import load_engine
-
     quiet = [check_quiet(args.allow_noisy, "before")]
-    engines = {f"ours ({d})": load_engine("smollm2-135m-instruct", dtype=d, prefill_chunk=args.chunk)
+    engines = {f"ours ({d})": default_engine(d, prefill_chunk=args.chunk)
                for d in args.dtypes.split(",") if d}
     if not engines:
         p.error("--dtypes names no weight path")
@@ -104,13 +102,7 @@ def main(argv=None) -> int:
     lengths = [min(n, context - 1) for n in lengths]
     hf = None
     if not args.no_hf:
-        import transformers
-
-        from laneplay.engine.checkpoint import resolve_checkpoint
-
-        path = resolve_checkpoint("smollm2-135m-instruct")
-        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                               dtype=torch.float32, attn_implementation="sdpa").eval()
+        hf = hf_peer()
     warm = prompt_ids(eng.tokenizer, 64)
     for e in engines.values():
         ours(e, warm)

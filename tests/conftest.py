@@ -1,5 +1,6 @@
 """Suite-wide settings: offline, deterministic, and Triton kernels through the interpreter on CPU."""
 import os
+from pathlib import Path
 
 # Must be set before any module defining @triton.jit kernels is imported.
 if not os.environ.get("LANEPLAY_TEST_CUDA"):
@@ -13,9 +14,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+BROWSER = Path(__file__).resolve().parent / "browser"
 
 
 def pytest_collection_modifyitems(config, items):
+    # The browser tests last: they share one browser for the run (tests/browser/conftest.py), and while
+    # it is up Playwright's sync API keeps an event loop running in the main thread.
+    items.sort(key=lambda item: Path(item.path).resolve().is_relative_to(BROWSER))  # stable: the rest keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")

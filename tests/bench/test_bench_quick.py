@@ -7,8 +7,11 @@ import sys
 
 import pytest
 
-from laneplay.bench import common, decode
+from laneplay.bench import cli, common, decode
+from laneplay.engine.runtime import PREFILL_CHUNK
 from laneplay.kernels import lowbit
+
+LONG = 160  # --quick's long prompt: smoke-sized, but still more than one prefill chunk
 
 
 def _positive(x) -> bool:
@@ -17,6 +20,7 @@ def _positive(x) -> bool:
 
 @pytest.mark.slow
 def test_quick_bench_writes_every_table_as_json(tmp_path):
+    assert LONG > PREFILL_CHUNK and f"short,{LONG}" in cli.QUICK["decode"] and str(LONG) in cli.QUICK["prefill"]
     # -P and another cwd: the repository's folders must not shadow installed packages (HF's `kernels`)
     proc = subprocess.run([sys.executable, "-P", "-m", "laneplay", "bench", "--quick", "--allow-noisy", "--peers",
                            "transformers,llama.cpp", "--out", str(tmp_path)], capture_output=True, text=True,
@@ -32,16 +36,16 @@ def test_quick_bench_writes_every_table_as_json(tmp_path):
     engines = {(r["engine"], r["prompt"]) for r in dec["rows"]}
     ours = ("ours (eager)", "ours (int4)") if lowbit.available() else ("ours (eager)",)
     served = ("ours (int4, served)",) if lowbit.available() else ()  # through `laneplay engine` over HTTP
-    assert engines == {(e, p) for e in (*ours, *served, "transformers (eager)") for p in ("short", "512")} or \
-        engines == {(e, p) for e in (*ours, *served, "transformers (eager)", "llama.cpp (Q4_1)")
-                    for p in ("short", "512")}
-    assert {(s["engine"], s["prompt"]) for s in dec["split"]} == {(e, p) for e in ours for p in ("short", "512")}
+    prompts = ("short", str(LONG))
+    assert engines == {(e, p) for e in (*ours, *served, "transformers (eager)") for p in prompts} or \
+        engines == {(e, p) for e in (*ours, *served, "transformers (eager)", "llama.cpp (Q4_1)") for p in prompts}
+    assert {(s["engine"], s["prompt"]) for s in dec["split"]} == {(e, p) for e in ours for p in prompts}
     for s in dec["split"]:
         assert all(_positive(s[k]) for k in ("step_ms", "matrices_ms", "attention_ms")), s
     for r in dec["rows"]:
         assert all(_positive(r[k]) for k in ("ttft_ms", "decode_tps", "ms_per_token", "gbps", "roofline_frac",
                                              "bytes_per_token")), r
-        assert r["new"] == 16 and (r["prompt"] == "short" or r["prompt_tokens"] == 512)
+        assert r["new"] == 4 and (r["prompt"] == "short" or r["prompt_tokens"] == LONG)
         assert _positive(r["vs_transformers"])
     if not any(e.startswith("llama.cpp") for e, _ in engines):  # not installed: said so, not silently dropped
         assert any("llama.cpp peer skipped" in n for n in dec["notes"]) and "llama.cpp peer skipped" in proc.stdout
@@ -51,8 +55,8 @@ def test_quick_bench_writes_every_table_as_json(tmp_path):
     dtp = json.loads((tmp_path / "dtp-cpu.json").read_text())
     assert [r["world"] for r in dtp["rows"]] == [1, 2, 2, 2] and all(_positive(r["ms_per_token"]) for r in dtp["rows"])
     pre = json.loads((tmp_path / "prefill-cpu.json").read_text())
-    assert {r["prompt"] for r in pre["rows"]} == {512}
-    assert "ours (int4)" in {r["engine"] for r in pre["rows"]}  # the CPU's default path
+    assert {r["prompt"] for r in pre["rows"]} == {LONG}
+    assert {"ours (int4)", "transformers"} <= {r["engine"] for r in pre["rows"]}  # the CPU's default path, the peer
     assert all(_positive(r["ttft_ms"]) and _positive(r["prompt_tps"]) for r in pre["rows"])
 
 

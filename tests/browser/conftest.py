@@ -1,8 +1,10 @@
 """Browser tests: Python Playwright driving Debian's chromium against a real `laneplay serve`.
 
-The server (with its local engine, the embedded default model) starts once per test run (loading the
-model is most of a module's time on the 2-core machine); each test module starts its own browser and
-contexts, so cookies, and so History, never leak from one module into another. Every
+The server (with its local engine, the embedded default model) and the browser start once per test run
+(loading the model is most of a module's time on the 2-core machine); every test or module opens its own
+browser contexts, so cookies, and so History, never leak from one to another. The browser tests run
+after all the others (tests/conftest.py orders them last): Playwright's sync API keeps an event loop
+running in the main thread while the browser is up, and other tests call asyncio.run() there. Every
 request a page makes is recorded; anything not addressed to 127.0.0.1 is aborted and fails the test.
 
 The flows also take the README's screenshots, but only when asked: `make screenshots` runs these tests
@@ -88,10 +90,9 @@ def server(tmp_path_factory):
         proc.wait(5)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def browser():
-    """Per module: Playwright's sync API keeps an event loop running in the main thread while it is up,
-    and later (non-browser) tests call asyncio.run() there."""
+    """One chromium for the run's browser tests, which come last (see the module's docstring)."""
     from playwright.sync_api import sync_playwright
 
     pw = sync_playwright().start()
