@@ -22,7 +22,9 @@ def _f(x, fmt: str) -> str:
 
 def _head(d: dict) -> str:
     m = d.get("machine") or {}
-    noisy = d.get("noisy") or not (d.get("quiet") or {}).get("quiet", True)  # decode's flag, or a check_quiet record
+    quiet = d.get("quiet") or {}
+    records = quiet if isinstance(quiet, list) else [quiet]  # check_quiet records: one, or before and after
+    noisy = d.get("noisy") or not all(r.get("quiet", True) for r in records)
     flag = " **(flagged noisy)**" if noisy else ""
     return f"{(d.get('when') or '')[:10]}, {m.get('cpu') or '?'} × {m.get('cores') or '?'} cores, torch {m.get('torch')}{flag}"
 
@@ -150,15 +152,22 @@ def spec_table(d: dict) -> str:
     """bench/spec.py's run: prompt-lookup speculation on code edits and plain completions."""
     lines = [f"Speculative decoding by prompt lookup ({d.get('model')}, {d.get('dtype')}, greedy), speculation off "
              f"vs auto in one run, {_head(d)}; x = the median of each prompt's decode tokens/s ratio:", "",
-             "| set | prompts | off tok/s | auto tok/s | median x | min x | acceptance | tokens/step | same tokens |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| set | prompts | off tok/s | auto tok/s | median x | min x | acceptance | tokens/step | same tokens "
+             "| hindsight x |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, label in (("edits", "edits (HumanEval)"), ("plain", "plain completions")):
         r = d.get(name)
         if r:
             lines.append(f"| {label} | {r['prompts']} | {_f(r.get('median_off_tps'), '.1f')} | "
                          f"{_f(r.get('median_on_tps'), '.1f')} | {_f(r.get('median_speedup'), '.2f')} | "
                          f"{_f(r.get('min_speedup'), '.2f')} | {_f(r.get('acceptance'), '.2f')} | "
-                         f"{_f(r.get('tokens_per_step'), '.2f')} | {r['same_tokens']}/{r['prompts']} |")
+                         f"{_f(r.get('tokens_per_step'), '.2f')} | {r['same_tokens']}/{r['prompts']} | "
+                         f"{_f(r.get('median_hindsight'), '.2f')} |")
+    if d.get("verify_costs_ms"):
+        c = d["verify_costs_ms"]
+        lines += ["", "hindsight x: the best any prompt-lookup policy could do on the same greedy tokens (verifying "
+                  "exactly the drafts that will be kept), priced with the verify costs measured in the run: "
+                  + ", ".join(f"{S} rows {x / c[0]:.2f}×" for S, x in enumerate(c, 1) if S in (2, 4, 8, len(c)))
+                  + " a decode step."]
     return "\n".join(lines)
 
 

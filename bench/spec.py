@@ -8,7 +8,9 @@ prompts continued as they are. Every prompt runs greedy with speculation off and
 the default) in the same process, one after the other; the table gives each set's median of the
 per-prompt ratio of decode tokens/s, the acceptance rate, tokens per decode step, and whether the
 tokens were the same (greedy equality; a difference is explained by the top-2 logit gap where the
-runs part).
+runs part). The hindsight column bounds what any prompt-lookup policy could reach: it replays each
+prompt's greedy tokens, drafts from the same lookup, verifies exactly the drafts that will be kept (where
+that is cheaper than plain steps), and prices each step with verify costs measured in the same run.
 """
 from __future__ import annotations
 
@@ -120,15 +122,68 @@ def _parting_gap(engine, prompt, chat: bool, a: list[int], b: list[int]) -> dict
     return {"token": n, "top2_gap": float(top2[0] - top2[1])}
 
 
-def measure(engine, corpus, chat: bool, tokens: int) -> tuple[list[dict], dict]:
+def verify_costs(engine, rows: int, rounds: int = 40) -> list[float] | None:
+    """ms of a verify of S = 1..rows positions (S = 1: a decode step) at position 300 of a 512-position
+    cache, best of `rounds`; None where the runner has no one-process model with a verify step."""
+    import time
+
+    import torch
+
+    model = getattr(engine.runner, "model", None)
+    if model is None or not hasattr(model, "verify") or getattr(engine.runner, "world_size", 1) != 1:
+        return None
+    ids = torch.randint(100, min(20_000, engine.cfg.vocab_size), (1, 300 + rows),
+                        generator=torch.Generator().manual_seed(0)).to(engine.device)
+    cache = model.new_cache(1, 512)
+    model(ids[:, :300], pos=0, cache=cache)
+    costs = []
+    for S in range(1, rows + 1):
+        best = float("inf")
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            if S == 1:
+                model.decode(ids[:, 300:301], 300, cache)
+            else:
+                model.verify(ids[:, 300:300 + S], 300, cache)[1].keep(0)
+            best = min(best, time.perf_counter() - t0)
+        costs.append(best * 1e3)
+    return costs
+
+
+def hindsight(prompt_ids: list[int], out: list[int], costs: list[float]) -> float | None:
+    """The speed-up of the best prompt-lookup policy with hindsight on these greedy tokens: each step drafts
+    from the lookup and verifies exactly the drafts that will be kept, where that costs less than a plain
+    step per token; costs[S - 1] is what a verify of S positions costs."""
+    from laneplay.engine.speculative import Lookup
+
+    if len(out) < 2:
+        return None
+    lookup, produced, total = Lookup(prompt_ids + out[:1]), 1, 0.0
+    while produced < len(out):
+        drafts, _ = lookup.draft(min(len(out) - produced - 1, len(costs) - 1))
+        kept = 0
+        while kept < len(drafts) and drafts[kept] == out[produced + kept]:
+            kept += 1
+        if kept and costs[kept] < (kept + 1) * costs[0]:
+            total, new = total + costs[kept], out[produced:produced + kept + 1]
+        else:
+            total, new = total + costs[0], out[produced:produced + 1]
+        lookup.extend(new)
+        produced += len(new)
+    return costs[0] * (len(out) - 1) / total
+
+
+def measure(engine, corpus, chat: bool, tokens: int, costs: list[float] | None = None) -> tuple[list[dict], dict]:
     rows = []
     for i, (kind, prompt) in enumerate(corpus):
         off_ids, off = _run(engine, prompt, chat, tokens, "off")
         on_ids, on = _run(engine, prompt, chat, tokens, "auto")
+        prompt_ids = (engine.tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat
+                      else engine.tokenizer.encode(prompt))
         row = {"i": i, "kind": kind, "prompt_tokens": off.prompt_tokens, "tokens": on.completion_tokens,
                "off_tps": off.decode_tokens_per_second, "on_tps": on.decode_tokens_per_second,
                "draft_tokens": on.draft_tokens, "accepted_tokens": on.accepted_tokens, "decode_steps": on.decode_steps,
-               "same_tokens": on_ids == off_ids}
+               "same_tokens": on_ids == off_ids, "hindsight": hindsight(prompt_ids, off_ids, costs) if costs else None}
         row["speedup"] = row["on_tps"] / row["off_tps"] if row["on_tps"] and row["off_tps"] else None
         if not row["same_tokens"]:
             row["parting"] = _parting_gap(engine, prompt, chat, off_ids, on_ids)
@@ -143,13 +198,15 @@ def summarize(rows: list[dict]) -> dict:
     speed = [r["speedup"] for r in rows if r["speedup"]]
     drafts, accepted = sum(r["draft_tokens"] for r in rows), sum(r["accepted_tokens"] for r in rows)
     steps = sum(r["decode_steps"] or 0 for r in rows)
+    bound = [r["hindsight"] for r in rows if r.get("hindsight")]
     tokens = sum(max(0, r["tokens"] - 1) for r in rows)
     return {"prompts": len(rows), "median_speedup": statistics.median(speed) if speed else None,
             "min_speedup": min(speed) if speed else None, "max_speedup": max(speed) if speed else None,
             "median_off_tps": statistics.median(r["off_tps"] for r in rows if r["off_tps"]) if speed else None,
             "median_on_tps": statistics.median(r["on_tps"] for r in rows if r["on_tps"]) if speed else None,
             "acceptance": accepted / drafts if drafts else None, "tokens_per_step": tokens / steps if steps else None,
-            "same_tokens": sum(r["same_tokens"] for r in rows)}
+            "same_tokens": sum(r["same_tokens"] for r in rows),
+            "median_hindsight": statistics.median(bound) if bound else None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plain", type=int, default=20, help="plain HumanEval completions")
     p.add_argument("--tokens", type=int, default=192, help="max tokens per edit")
     p.add_argument("--plain-tokens", type=int, default=128, help="max tokens per plain completion")
+    p.add_argument("--cost-rounds", type=int, default=40, help="timings per verify size (the best is kept)")
     p.add_argument("--allow-noisy", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -171,23 +229,30 @@ def main(argv: list[str] | None = None) -> int:
     engine = load_engine(args.model, dtype=args.dtype, compile="auto")
     try:
         _run(engine, "def warm_up():\n", False, 8, "off")  # first-call costs out of the measurement
+        from laneplay.engine.speculative import K_MAX
+
+        costs = verify_costs(engine, K_MAX + 1, rounds=args.cost_rounds)
+        if costs:
+            print("verify cost, x one step: " + ", ".join(f"{S}: {c / costs[0]:.2f}" for S, c in
+                                                          enumerate(costs, 1)), flush=True)
         print(f"edits ({args.edits}, chat, greedy, up to {args.tokens} tokens):", flush=True)
-        edit_rows, edits = measure(engine, edit_corpus(args.edits), True, args.tokens)
+        edit_rows, edits = measure(engine, edit_corpus(args.edits), True, args.tokens, costs)
         plain_rows, plain = [], None
         if args.plain:
             print(f"plain completions ({args.plain}, greedy, up to {args.plain_tokens} tokens):", flush=True)
-            plain_rows, plain = measure(engine, plain_corpus(args.plain), False, args.plain_tokens)
+            plain_rows, plain = measure(engine, plain_corpus(args.plain), False, args.plain_tokens, costs)
         after = check_quiet(True, "after")
         table = [{"set": "edits", **edits}] + ([{"set": "plain completions", **plain}] if plain else [])
         print_table(table, [("set", "set", "s"), ("prompts", "prompts", "d"), ("median_off_tps", "off tok/s", ".1f"),
                             ("median_on_tps", "auto tok/s", ".1f"), ("median_speedup", "median x", ".2f"),
                             ("min_speedup", "min x", ".2f"), ("acceptance", "acceptance", ".2f"),
-                            ("tokens_per_step", "tokens/step", ".2f"), ("same_tokens", "same tokens", "d")])
+                            ("tokens_per_step", "tokens/step", ".2f"), ("same_tokens", "same tokens", "d"),
+                            ("median_hindsight", "hindsight x", ".2f")])
         path = write_json("spec", {
             "schema": 1, "model": args.model, "dtype": engine.runtime.dtype, "device": str(engine.device),
             "quiet": quiet, "quiet_after": after, "noisy": not (quiet["quiet"] and after["quiet"]),
             "goals": {"edits_median_speedup": 1.8, "plain_median_speedup": 0.97},
-            "edits": edits, "plain": plain, "rows": {"edits": edit_rows, "plain": plain_rows}}, args.out)
+            "verify_costs_ms": costs, "edits": edits, "plain": plain, "rows": {"edits": edit_rows, "plain": plain_rows}}, args.out)
         print(f"wrote {path}")
     finally:
         engine.close()

@@ -67,11 +67,12 @@ class Sequence:
         if self.produced:
             self.spec.steps += 1
         # the one host sync per sequence and step; streaming needs the ids anyway
-        return self._feed([tokens.tolist()], [self.sampler.host_logprobs()])
+        return self._feed([tokens.tolist()], [self.sampler.host_logprobs()], last=tokens)
 
-    def _feed(self, steps: list[list[int]], logprobs: list | None = None) -> list[GenerationEvent]:
+    def _feed(self, steps: list[list[int]], logprobs: list | None = None, last=None) -> list[GenerationEvent]:
         """Tokens of this step (one list of n per token position, in order) -> events. logprobs: per
-        position, its log-probabilities when the request asks for them (`RowSampler`)."""
+        position, its log-probabilities when the request asks for them (`RowSampler`). last: the step's
+        tokens already on the device, when the caller has them (no copy back)."""
         events, now = [], time.perf_counter()
         for j, host in enumerate(steps):
             events += self.text.feed(host, now, logprobs[j] if logprobs else None)
@@ -82,7 +83,9 @@ class Sequence:
             if all(self._rows_done) or self.produced == self.params.max_tokens or self.text.done:
                 self._release()
                 return events
-        self.tokens = torch.tensor(steps[-1], device=self.runner.device).view(self.n, 1)
+        if last is None:
+            last = torch.tensor(steps[-1], device=self.runner.device)
+        self.tokens = last.view(self.n, 1)
         return events
 
     def drafts(self) -> list[int]:
@@ -94,7 +97,8 @@ class Sequence:
         agrees with (engine/speculative.py) and rolls back the rest of the cache."""
         logits, rewind = self.runner.verify(torch.cat([self.tokens.view(1, 1), torch.tensor(
             [drafts], device=self.runner.device)], dim=1), self.pos, self.cache)
-        out = self.spec.accept(logits[0], drafts, self.sampler.generators[0])
+        out = self.spec.accept(logits[0], drafts, self.sampler.generators[0],
+                              () if self.params.ignore_eos else self.eos_ids)
         rewind.keep(len(out))
         self.pos += len(out)
         self.spec.steps += 1

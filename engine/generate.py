@@ -174,7 +174,7 @@ def _speculative_steps(runner, ids, params, eos_ids, sampler, should_stop, spec,
         drafts = spec.drafts(room(spec, produced, params.max_tokens, runner.cache))
         if drafts:
             logits, rewind = runner.verify(torch.tensor([[tok, *drafts]], device=runner.device), pos)
-            out = spec.accept(logits[0], drafts, generators[0])
+            out = spec.accept(logits[0], drafts, generators[0], () if params.ignore_eos else eos_ids)
             lps = sampler.position_logprobs(logits[0], out)
             rewind.keep(len(out))  # tok and the kept drafts; the new token goes in at the next step
         else:

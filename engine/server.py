@@ -253,26 +253,27 @@ _DTP_KEYS = ("collectives", "timeline")
 _EXT_KEYS = (*_DTP_KEYS, "priority", "speculative")
 
 
+def _ext_choice(body: dict, key: str, default: str, choices: tuple[str, ...]) -> str:
+    """One string choice of the "laneplay" extension: `default` when absent, a 400 naming
+    'laneplay.<key>' and its choices (in the order given) when not one of them."""
+    param = f"laneplay.{key}"
+    value = _field(_field(body, "laneplay", _OBJ) or {}, key, _STR, default, param=param)
+    if value not in choices:
+        quoted = [f'"{c}"' for c in choices]
+        allowed = " or ".join(quoted) if len(quoted) < 3 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+        raise APIError(400, f"'{param}' must be {allowed}, got {json.dumps(value)}.", param, "invalid_value")
+    return value
+
+
+# "interactive" (the default) or "batch" (joins the engine's batch only where interactive requests leave
+# room: pass@N jobs, evals); prompt-lookup speculation (engine/speculative.py): "auto" (the default: drafts
+# where they pay), "lookup" (always draft) or "off".
 def _priority(body: dict) -> str:
-    """The "laneplay" extension's scheduling class: "interactive" (the default) or "batch" (joins the
-    engine's batch only where interactive requests leave room: pass@N jobs, evals)."""
-    ext = _field(body, "laneplay", _OBJ) or {}
-    priority = _field(ext, "priority", _STR, "interactive", param="laneplay.priority")
-    if priority not in PRIORITIES:
-        raise APIError(400, f"'laneplay.priority' must be \"interactive\" or \"batch\", got {json.dumps(priority)}.",
-                       "laneplay.priority", "invalid_value")
-    return priority
+    return _ext_choice(body, "priority", "interactive", PRIORITIES)
 
 
 def _speculative(body: dict) -> str:
-    """The "laneplay" extension's prompt-lookup speculation (engine/speculative.py): "auto" (the default:
-    drafts where they pay), "lookup" (always draft) or "off"."""
-    ext = _field(body, "laneplay", _OBJ) or {}
-    mode = _field(ext, "speculative", _STR, "auto", param="laneplay.speculative")
-    if mode not in SPECULATIVE_MODES:
-        raise APIError(400, f"'laneplay.speculative' must be \"auto\", \"lookup\" or \"off\", got {json.dumps(mode)}.",
-                       "laneplay.speculative", "invalid_value")
-    return mode
+    return _ext_choice(body, "speculative", "auto", tuple(sorted(SPECULATIVE_MODES)))
 
 
 def speculation_record(finals: dict) -> dict:

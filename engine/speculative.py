@@ -1,11 +1,21 @@
 """Speculative decoding by prompt lookup: drafts from the text already there, verified in one step.
 
 Code edits ("add type hints", "rename this variable", "fix the bug on line 3") mostly copy text that
-is already in the prompt. `Lookup` matches the last n tokens of the sequence (prompt and output so
-far, n = 3, then 2, then 1) against their most recent earlier occurrence and proposes the tokens that
-followed it. The last token and up to k drafts go through one multi-token forward over the KV cache
-(`LaneModel.verify`); the longest prefix the model agrees with is kept, plus the model's own next
-token, and the rejected positions' K/V are rolled back (`model.Rewind`).
+is already in the prompt. `Lookup` finds the most recent earlier occurrence of the sequence's last n
+tokens (prompt and output so far, n = 4, 3, 2, then 1), measures how far back that match goes (its
+length m, up to MATCH_MAX), and proposes the tokens that followed it. The last token and up to k
+drafts go through one multi-token forward over the KV cache (`LaneModel.verify`); the longest prefix
+the model agrees with is kept, plus the model's own next token, and the rejected positions' K/V are
+rolled back (`model.Rewind`).
+
+How many drafts: a verify row costs ROW_COST of a decode step, so a draft pays where its chance of
+being kept is above that. The match length predicts it well: over the HumanEval edit corpus of
+`laneplay bench spec` on the embedded default, a one-token match's first draft was kept 25% of the
+time, a two-token match's 46%, and from three tokens on the first draft was kept 80-95% of the time
+and the eighth 33-68%. So "auto" drafts nothing on a one-token match, 2 tokens on a two-token match and
+2m (up to K_MAX) on a longer one ("lookup" drafts on every match), and `Controller` caps that by the
+request's recent acceptance: doubling while every draft is kept, falling to what was kept plus one (or
+half, if more) when one is not. Plain completion then seldom drafts and never pays much for it.
 
 Exactness: greedy keeps a draft token only where it is the argmax, so the tokens are the plain
 greedy ones wherever the verify's logits equal a decode step's (bit for bit on the one-lane low-bit
@@ -13,11 +23,8 @@ path, within float rounding elsewhere). Sampling uses the speculative-sampling r
 draft: keep draft x with probability p(x), else draw from p with x removed and renormalised; the
 token kept is then distributed exactly as p, so the output distribution is the plain one.
 
-`Controller` picks k from the recent acceptance (doubling while every draft is kept, falling to what
-was kept plus one) and, in mode "auto", pauses itself when a verify's expected payoff drops below a
-plain step, so plain completion does not pay for it; it probes again after a pause that doubles with
-each failed probe. Nothing here reads a clock: a request's tokens depend only on its own history, so
-it gets the same tokens alone and in a batch, and a seeded request is reproducible.
+Nothing here reads a clock: a request's tokens depend only on its own history, so it gets the same
+tokens alone and in a batch, and a seeded request is reproducible.
 """
 from __future__ import annotations
 
@@ -27,15 +34,21 @@ from torch import Tensor
 from laneplay.engine.sampling import SamplingParams, is_greedy, process_logits
 
 MODES = ("auto", "off", "lookup")
-NGRAMS = (3, 2, 1)  # match lengths tried, longest first
-K_START, K_MAX = 4, 8  # drafts per verify: where a request starts, and the most (a verify of 9 rows)
+NGRAMS = (4, 3, 2, 1)  # n-gram lengths looked up, longest first
+MATCH_MAX = 16  # how far back a match's length is measured
+# Drafts per verify: where a request starts, and the most. A verify of K_MAX + 1 = 16 rows is the most the
+# low-bit products take with 16-bit activations (kernels.lowbit.ACT16_MAX_ROWS; more rows quantize to 8
+# bits), so every verify row's logits stay bit for bit a decode step's.
+K_START, K_MAX = 4, 15
 # What a verify of S rows costs in one-token decode steps is about 1 + ROW_COST * (S - 1): measured on the
-# embedded default, CPU int4, 2 cores with AVX-512 VNNI (1 row 6.7 ms, 5 rows 16.4 ms, 9 rows 28 ms, 16
-# rows 48 ms: the integer products are arithmetic-bound). "auto" speculates while the moving average of
-# (1 + kept) / (1 + ROW_COST * drafts) stays above 1.
-ROW_COST = 0.35
-PAYOFF_DECAY = 0.5  # weight of the newest verify in the moving average
-PAUSE_MIN, PAUSE_MAX = 8, 128  # plain steps after a verify that did not pay, doubling per failed probe
+# embedded default, CPU int4, 2 cores with AVX-512 VNNI (1 row 6.2 ms, 4 rows 12.1 ms, 9 rows 25.4 ms, 16
+# rows 46 ms: the integer products are arithmetic-bound).
+ROW_COST = 0.37
+
+
+def trusted(m: int) -> int:
+    """How many drafts a match of m tokens is worth in "auto" (see the module's docstring)."""
+    return 0 if m < 2 else 2 if m == 2 else min(K_MAX, 2 * m)
 
 
 def check_mode(mode) -> str:
@@ -63,45 +76,39 @@ class Lookup:
                     self.index[n][tuple(toks[j - n:j])] = j
             toks.append(t)
 
-    def draft(self, k: int) -> list[int]:
-        """Up to k tokens that followed the longest recent match of the sequence's last n tokens."""
+    def draft(self, k: int) -> tuple[list[int], int]:
+        """(up to k tokens that followed the most recent occurrence of the sequence's last n tokens, n the
+        longest that occurs before; the match's length m: how many tokens before that occurrence's
+        continuation equal the sequence's last m, at most MATCH_MAX). ([], 0) when nothing repeats."""
         toks = self.tokens
         for n in self.ngrams:
             if len(toks) < n:
                 continue
             start = self.index[n].get(tuple(toks[-n:]))
             if start is not None:
-                return toks[start:start + k]
-        return []
+                m = n
+                while m < MATCH_MAX and start - 1 - m >= 0 and toks[start - 1 - m] == toks[-1 - m]:
+                    m += 1
+                return toks[start:start + k], m
+        return [], 0
 
 
 class Controller:
-    """How many drafts to verify next (0: a plain step), from what the recent verifies kept."""
+    """How many drafts to verify next, from what the recent verifies kept: doubling while every draft
+    is kept, falling to what was kept plus one (or half, if more) when one is not."""
 
     def __init__(self, mode: str):
         self.auto = mode == "auto"
         self.k = K_START
-        self.payoff = 1.0 + ROW_COST  # a fresh request gets a verify's benefit of the doubt
-        self.pause, self.paused = PAUSE_MIN, 0
 
-    def want(self) -> int:
-        if self.paused:
-            self.paused -= 1
+    def want(self, m: int) -> int:
+        """Drafts for a match of m tokens (0: a plain step)."""
+        if m < 1:
             return 0
-        return self.k
+        return min(self.k, trusted(m)) if self.auto else self.k
 
     def record(self, drafted: int, kept: int) -> None:
-        self.k = min(K_MAX, 2 * self.k) if kept == drafted else max(1, kept + 1)
-        if not self.auto:
-            return
-        gain = (1 + kept) / (1 + ROW_COST * drafted)
-        self.payoff = (1 - PAYOFF_DECAY) * self.payoff + PAYOFF_DECAY * gain
-        if self.payoff < 1.0:  # not paying: plain steps for a while, then one probe decides again
-            self.paused, self.pause = self.pause, min(PAUSE_MAX, 2 * self.pause)
-            self.payoff = 1.0  # the probe's own gain then settles it
-            self.k = K_START
-        elif kept:
-            self.pause = PAUSE_MIN
+        self.k = min(K_MAX, 2 * self.k) if kept == drafted else max(1, kept + 1, self.k // 2)
 
 
 class Speculation:
@@ -142,17 +149,19 @@ class Speculation:
         produce after the next one, and how many drafts the KV cache's rings can take back."""
         if not self.active or room < 1:
             return []
-        k = self.control.want()
-        return self.lookup.draft(min(k, room)) if k else []
+        drafts, m = self.lookup.draft(K_MAX)
+        return drafts[:min(self.control.want(m), room)]
 
     def produced(self, tokens: list[int]) -> None:
         """Tokens the request produced (plain steps and verifies), in order."""
         if self.active:
             self.lookup.extend(tokens)
 
-    def accept(self, logits: Tensor, drafts: list[int], generator: torch.Generator) -> list[int]:
+    def accept(self, logits: Tensor, drafts: list[int], generator: torch.Generator, eos=()) -> list[int]:
         """The verify's logits [k + 1, V] for the drafts [k]: the kept drafts, then one token of the model's
-        own (a correction, or after k kept drafts the next token). Updates the counts and the controller."""
+        own (a correction, or after k kept drafts the next token), cut after the first of `eos` (the request
+        ends there; a kept draft that ends it counts as that step's own token, so decode steps plus accepted
+        tokens stay the tokens after the first). Updates the counts and the controller."""
         k = len(drafts)
         if self.greedy:
             top2 = logits.float().topk(2, dim=-1)
@@ -179,10 +188,13 @@ class Speculation:
             else:
                 out.append(draw(probs[k], generator))
             kept = len(out) - 1
-        self.draft_tokens += k
-        self.accepted_tokens += kept
-        self.verify_steps += 1
         self.control.record(k, kept)
+        end = next((j for j, t in enumerate(out) if t in eos), None)
+        if end is not None:
+            out = out[:end + 1]
+        self.draft_tokens += k
+        self.accepted_tokens += len(out) - 1
+        self.verify_steps += 1
         return out
 
 

@@ -121,3 +121,13 @@ def test_the_serving_tables_are_generated_from_the_json(tmp_path):
     assert "| 4 | 14.3 | 2.01 | 3.57 |" in text and "| batched | 4 | 90 | 242 | 369 | 3.57 | 2.66 | 4.0 |" in text
     assert "512 prompt tokens reused" in text and "(0.54)" in text and "flagged noisy" in text
     assert "| llama-server | 4 | 300 | 2000 | 20.0 | 90.0 | 40.0 | 120.0 |" in text
+    # a run checked before and after (a list of records) is flagged when either check found the machine busy
+    (tmp_path / "batching.json").unlink()
+    (tmp_path / "serving.json").unlink()
+    (tmp_path / "spec.json").write_text(json.dumps({
+        "when": "2026-12-06", "machine": machine, "model": "m", "dtype": "int4",
+        "quiet": [{"quiet": True}, {"quiet": False}],
+        "edits": {"prompts": 40, "median_off_tps": 140.0, "median_on_tps": 190.0, "median_speedup": 1.43,
+                  "min_speedup": 0.7, "acceptance": 0.61, "tokens_per_step": 2.15, "same_tokens": 40}}))
+    text = report(tmp_path)
+    assert "flagged noisy" in text and "| 40 | 140.0 | 190.0 | 1.43 |" in text

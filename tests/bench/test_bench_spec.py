@@ -7,6 +7,7 @@ import pytest
 from laneplay.bench import spec
 from laneplay.bench.cli import QUICK
 from laneplay.bench.report import spec_table
+from laneplay.engine.speculative import K_MAX
 
 
 def test_the_edit_corpus_has_the_four_kinds_over_humaneval():
@@ -35,4 +36,18 @@ def test_quick_spec_bench_writes_its_json_and_table(tmp_path):
         if lowbit.available() and d["dtype"] == "int4":
             assert r["same_tokens"], r  # the fused verify is bit for bit the decode steps
     assert d["edits"]["acceptance"] is not None
+    if d["verify_costs_ms"]:
+        assert len(d["verify_costs_ms"]) == K_MAX + 1 and all(c > 0 for c in d["verify_costs_ms"])
+        assert all(r["hindsight"] is None or r["hindsight"] >= 1.0 for r in d["rows"]["edits"])
     assert "| edits (HumanEval) | 4 |" in spec_table(d)
+
+
+def test_hindsight_verifies_exactly_what_will_be_kept():
+    costs = [1.0 + 0.5 * (S - 1) for S in range(1, K_MAX + 2)]
+    line = list(range(100, 130))
+    # the answer copies the prompt's line: after the first token, a verify of 16 positions keeps its 15
+    # drafts and adds a token, then one of 13 positions takes the last 13: 29 tokens for 8.5 + 7.0 step costs
+    assert spec.hindsight(line, line, costs) == pytest.approx(29 / (costs[15] + costs[12]))
+    assert spec.hindsight([1, 2, 3], [7, 8, 9, 10], costs) == 1.0  # nothing to look up: plain steps
+    # a draft kept alone is not worth a verify that costs as much as the two plain steps it saves
+    assert spec.hindsight([5, 6, 5, 6], [5, 6, 9], [1.0, 2.0, 3.0]) == 1.0

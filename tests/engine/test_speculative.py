@@ -15,23 +15,28 @@ from laneplay.engine.checkpoint import (load_weights, open_checkpoint, random_la
                                         tiny_laneformer_config, write_checkpoint)
 from laneplay.engine.model import LaneModel
 from laneplay.engine.sampling import process_logits
-from laneplay.engine.speculative import (K_MAX, PAUSE_MIN, Controller, Lookup, Speculation, check_mode, draw,
-                                         plan)
+from laneplay.engine.speculative import (K_MAX, MATCH_MAX, NGRAMS, Controller, Lookup, Speculation, check_mode,
+                                         draw, plan, trusted)
 from tests.engine.naive_reference import naive_logits
 
 
 # ---- drafting ------------------------------------------------------------------------------------
 
-def naive_draft(tokens: list[int], k: int, ngrams=(3, 2, 1)) -> list[int]:
-    """Scan backwards for the most recent earlier occurrence of the last n tokens, longest n first."""
+def naive_draft(tokens: list[int], k: int, ngrams=NGRAMS) -> tuple[list[int], int]:
+    """Scan backwards for the most recent earlier occurrence of the last n tokens, longest n first; then
+    count how far back it agrees with the sequence's end."""
     for n in ngrams:
         if len(tokens) < n:
             continue
         tail = tokens[-n:]
         for start in range(len(tokens) - n - 1, -1, -1):
             if tokens[start:start + n] == tail:
-                return tokens[start + n:start + n + k]
-    return []
+                m = n
+                while m < MATCH_MAX and start - (m - n) - 1 >= 0 and \
+                        tokens[start - (m - n) - 1] == tokens[len(tokens) - m - 1]:
+                    m += 1
+                return tokens[start + n:start + n + k], m
+    return [], 0
 
 
 @pytest.mark.parametrize("vocab", [3, 6, 40])
@@ -46,36 +51,49 @@ def test_lookup_drafts_what_followed_the_most_recent_longest_match(vocab):
             assert lookup.draft(k) == naive_draft(seq, k), (seq, k)
 
 
-def test_lookup_on_code_proposes_the_rest_of_a_copied_line():
-    lookup = Lookup([10, 11, 12, 13, 14, 15, 16, 99, 10, 11])
-    assert lookup.draft(4) == [12, 13, 14, 15]
-    assert Lookup([1, 2, 3]).draft(4) == []  # nothing repeats
+def test_lookup_on_code_proposes_the_rest_of_a_copied_line_and_says_how_long_the_match_is():
+    assert Lookup([10, 11, 12, 13, 14, 15, 16, 99, 10, 11]).draft(4) == ([12, 13, 14, 15], 2)
+    assert Lookup([7, 10, 11, 12, 13, 14, 15, 16, 99, 7, 10, 11]).draft(2) == ([12, 13], 3)
+    line = list(range(100, 140))
+    assert Lookup(line + [5] + line[:30]).draft(3) == ([130, 131, 132], MATCH_MAX)
+    assert Lookup([1, 2, 3]).draft(4) == ([], 0)  # nothing repeats
 
 
-def test_auto_pauses_when_drafts_do_not_pay_and_probes_again():
+def test_auto_drafts_what_the_match_is_worth_and_follows_the_acceptance():
+    assert [trusted(m) for m in range(6)] == [0, 0, 2, 6, 8, 10] and trusted(MATCH_MAX) == K_MAX
     ctl = Controller("auto")
-    assert ctl.want() == 4
-    ctl.record(4, 0)  # a verify that kept nothing
-    ctl.record(ctl.k, 0)
-    pauses = 0
-    while ctl.want() == 0:
-        pauses += 1
-    assert pauses >= PAUSE_MIN
-    ctl.record(ctl.k, 0)  # the probe failed too: a longer pause
-    longer = 0
-    while ctl.want() == 0:
-        longer += 1
-    assert longer > pauses
-    # a run of kept drafts grows k to K_MAX and keeps speculating
-    for _ in range(6):
-        ctl.record(ctl.want(), ctl.k)
-    assert ctl.want() == K_MAX
-    # "lookup" never pauses
+    assert ctl.want(0) == 0 and ctl.want(1) == 0  # a one-token match: a draft is kept less often than a row costs
+    assert ctl.want(2) == 2 and ctl.want(MATCH_MAX) == 4  # the start: 4 at most
+    for _ in range(4):  # a run of kept drafts grows k to K_MAX
+        ctl.record(ctl.k, ctl.k)
+    assert ctl.want(MATCH_MAX) == K_MAX and ctl.want(3) == trusted(3)
+    ctl.record(K_MAX, 3)  # three kept: half of k is more than kept + 1
+    assert ctl.k == K_MAX // 2
+    ks = []
+    for _ in range(3):  # nothing kept: halving, down to one
+        ctl.record(ctl.k, 0)
+        ks.append(ctl.k)
+    assert ks == [K_MAX // 4, 1, 1]
+    # "lookup" drafts on every match, even one token long
     always = Controller("lookup")
-    for _ in range(20):
-        k = always.want()
-        assert k >= 1
-        always.record(k, 0)
+    assert always.want(1) == 4 and always.want(0) == 0
+
+
+def test_text_without_repeated_phrases_never_drafts_in_auto_but_does_in_lookup():
+    # random tokens over 2,000 ids: single tokens recur often, two in a row almost never
+    rng = random.Random(5)
+    ids = [rng.randrange(2_000) for _ in range(400)]
+    auto = Speculation("auto", ids[:100], SamplingParams(temperature=0.0))
+    always = Speculation("lookup", ids[:100], SamplingParams(temperature=0.0))
+    one_token_matches = lookup_drafts = 0
+    for t in ids[100:]:
+        m = auto.lookup.draft(1)[1]
+        assert auto.drafts(room=16) == [] or m >= 2
+        one_token_matches += m == 1
+        lookup_drafts += bool(always.drafts(room=16))
+        auto.produced([t])
+        always.produced([t])
+    assert one_token_matches > 20 and lookup_drafts >= one_token_matches
 
 
 def test_modes_are_checked_and_off_says_why():
@@ -157,6 +175,21 @@ def test_low_bit_verify_is_bit_for_bit_the_decode_steps(tmp_path):
         else:
             assert (logits[0] - steps).abs().max() <= 1e-3 * steps.abs().max()
         rewind.keep(S)
+
+
+def test_the_longest_low_bit_verify_is_bit_for_bit_the_decode_steps(tmp_path):
+    """K_MAX drafts and the last token: still one fused step whose products keep 16-bit activations."""
+    from laneplay.kernels import lowbit
+
+    assert K_MAX + 1 <= lowbit.ACT16_MAX_ROWS
+    model, _ = _one_lane_int4(tmp_path, window=64)
+    S = K_MAX + 1
+    ids = torch.randint(0, 256, (1, 3 + S), generator=torch.Generator().manual_seed(2))
+    _, c_steps = model.prefill(ids[:, :3], 1, 40)
+    _, c_verify = model.prefill(ids[:, :3], 1, 40)
+    steps = torch.stack([model.decode(ids[:, 3 + j:4 + j], 3 + j, c_steps)[0] for j in range(S)])
+    logits, _ = model.verify(ids[:, 3:], 3, c_verify)
+    assert torch.equal(logits[0], steps)
 
 
 # ---- whole requests: greedy equality, sampling, the scheduler --------------------------------------
@@ -307,3 +340,15 @@ def test_speculating_rows_in_a_batch_get_the_tokens_they_get_alone(int4_default)
         assert toks == want, mode
     assert jobs[0].finals[0].accepted_tokens > 0 and jobs[0].rows_per_step > 1  # it speculated, beside others
     assert jobs[2].finals[0].speculative == "off" and jobs[3].finals[0].draft_tokens == 0
+
+
+def test_a_kept_draft_that_ends_the_request_ends_the_verify_and_the_counts_add_up():
+    spec = Speculation("lookup", [1, 2, 3], SamplingParams(temperature=0.0))
+    drafts = [5, 2, 7]  # 2 is end-of-sequence
+    logits = torch.full((4, 10), -5.0)
+    for j, t in enumerate(drafts + [9]):
+        logits[j, t] = 5.0  # the model agrees with every draft
+    out = spec.accept(logits, drafts, torch.Generator(), eos={2})
+    assert out == [5, 2] and spec.draft_tokens == 3 and spec.accepted_tokens == 1
+    spec2 = Speculation("lookup", [1, 2, 3], SamplingParams(temperature=0.0))
+    assert spec2.accept(logits, drafts, torch.Generator()) == [5, 2, 7, 9] and spec2.accepted_tokens == 3
