@@ -156,18 +156,17 @@ class GGUFSource(TensorSource):
     """GGUF (llama.cpp) files: tensors are dequantized to float32 one at a time."""
 
     def __init__(self, path: Path):
-        import gguf
+        from laneplay.engine.gguf_file import GGUFError, GGUFFile
 
         try:
-            self.reader = gguf.GGUFReader(str(path))
-        except Exception as e:
+            self.reader = GGUFFile(path)
+        except (GGUFError, OSError) as e:
             raise CheckpointError(f"{path} is not a readable GGUF file ({e})") from None
         self._tensors = {t.name: t for t in self.reader.tensors}
         self.names = sorted(self._tensors)
 
     def field(self, key: str, default=None):
-        f = self.reader.fields.get(key)
-        return default if f is None else f.contents()
+        return self.reader.fields.get(key, default)
 
     def shape(self, name):
         return tuple(int(s) for s in reversed(self._tensors[name].shape))  # ggml lists dims innermost first
@@ -309,10 +308,10 @@ def _gguf_config(src: GGUFSource, name: str) -> ModelConfig:
         raise CheckpointError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
     f = lambda k, default=None: src.field(f"llama.{k}", default)  # noqa: E731
     n_embd, n_head = int(f("embedding_length")), int(f("attention.head_count"))
-    tok_vocab = src.reader.fields.get("tokenizer.ggml.tokens")
+    tok_vocab = src.field("tokenizer.ggml.tokens")
     raw = {
         "model_type": "llama",
-        "vocab_size": int(f("vocab_size") or (len(tok_vocab.data) if tok_vocab else src.shape("token_embd.weight")[0])),
+        "vocab_size": int(f("vocab_size") or (len(tok_vocab) if tok_vocab else src.shape("token_embd.weight")[0])),
         "hidden_size": n_embd, "intermediate_size": int(f("feed_forward_length")),
         "num_hidden_layers": int(f("block_count")), "num_attention_heads": n_head,
         "num_key_value_heads": int(f("attention.head_count_kv", n_head)),

@@ -47,13 +47,13 @@ import re
 import warnings
 from pathlib import Path
 
-import gguf
 import sentencepiece as spm
 import tokenizers
 from sentencepiece import sentencepiece_model_pb2 as sp_pb2
 from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
 
 from laneplay.engine.chat_template import FALLBACK_TEMPLATE, render_chat
+from laneplay.engine.gguf_file import GGUFFile
 
 # Undecodable bytes become one U+FFFD each (like the ByteFallback decoder), and decoding stays
 # prefix-stable: bytes that decode cleanly never change meaning when more bytes follow.
@@ -466,11 +466,11 @@ def _sentencepiece_proto(meta: dict) -> bytes:
 
 
 def tokenizer_from_gguf(reader_or_path) -> Tokenizer:
-    """The tokenizer described by a GGUF file's metadata; takes a path or an open gguf.GGUFReader."""
-    reader = reader_or_path if isinstance(reader_or_path, gguf.GGUFReader) else gguf.GGUFReader(reader_or_path, "r")
-    meta = {k[len("tokenizer."):]: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+    """The tokenizer described by a GGUF file's metadata; takes a path or an open `engine.gguf_file.GGUFFile`."""
+    reader = reader_or_path if isinstance(reader_or_path, GGUFFile) else GGUFFile(reader_or_path)
+    meta = {k[len("tokenizer."):]: v for k, v in reader.fields.items() if k.startswith("tokenizer.")}
     if "ggml.tokens" not in meta:
-        raise ValueError(f"GGUF file {getattr(reader.data, 'filename', reader_or_path)} has no vocabulary "
+        raise ValueError(f"GGUF file {reader.path.name} has no vocabulary "
                          "(tokenizer.ggml.tokens); convert the model with its tokenizer included.")
     kind, tokens, types = meta.get("ggml.model"), meta["ggml.tokens"], meta.get("ggml.token_type") or []
     if kind == "gpt2":

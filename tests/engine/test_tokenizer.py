@@ -21,6 +21,7 @@ import gguf  # noqa: E402
 import sentencepiece as spm  # noqa: E402
 from sentencepiece import sentencepiece_model_pb2 as sp_pb2  # noqa: E402
 
+from laneplay.engine.gguf_file import GGUFFile  # noqa: E402
 from laneplay.engine.tokenizer import (  # noqa: E402
     StreamDecoder, Tokenizer, load_tokenizer, tokenizer_from_gguf)
 
@@ -81,7 +82,7 @@ def gguf_path():
 
 @pytest.fixture(scope="module")
 def smol(gguf_path):
-    return tokenizer_from_gguf(gguf.GGUFReader(gguf_path, "r"))  # the reader path, as the checkpoint loader uses
+    return tokenizer_from_gguf(GGUFFile(gguf_path))  # an open file, as the checkpoint loader passes it
 
 
 @pytest.fixture(scope="module")
