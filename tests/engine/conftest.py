@@ -1,6 +1,5 @@
 """Shared, expensive fixtures for engine tests: the embedded default model, ours and transformers'."""
 import pytest
-import torch
 
 
 @pytest.fixture(scope="session")
@@ -12,9 +11,8 @@ def default_engine():
 
 @pytest.fixture(scope="session")
 def hf_default_model():
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
+    from laneplay.bench.common import hf_from_gguf
     from laneplay.engine.checkpoint import resolve_checkpoint
 
-    path = resolve_checkpoint("smollm2-135m-instruct")
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                             dtype=torch.float32).eval()
+    return hf_from_gguf(resolve_checkpoint("smollm2-135m-instruct"))  # transformers' own GGUF loader

@@ -92,7 +92,10 @@ def transformers():
 
 @pytest.fixture(scope="module")
 def hf_smol(transformers, gguf_path):
-    return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    from laneplay.bench.common import gguf_memo
+
+    with gguf_memo():
+        return transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
 
 
 def _corpus() -> list[str]:
