@@ -45,6 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     names = list(ALL) if args.which == "all" else [args.which]
     status = 0
+    if args.quick:  # a smoke run: a shorter look at the other processes before and after each benchmark
+        from laneplay.bench import common
+
+        common.QUIET_WINDOW_S = 0.3
     for name in names:
         argv = list(QUICK[name]) if args.quick else []
         if args.allow_noisy:

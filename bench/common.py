@@ -61,9 +61,13 @@ def _own_cpu_s() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def other_busy_cores(seconds: float = 1.5) -> float | None:
-    """How many cores other processes kept busy over `seconds` (this process and its children excluded);
-    None where /proc/stat is unavailable."""
+QUIET_WINDOW_S = 1.5  # how long check_quiet watches the other processes (`laneplay bench --quick`: 0.3 s)
+
+
+def other_busy_cores(seconds: float | None = None) -> float | None:
+    """How many cores other processes kept busy over `seconds` (default QUIET_WINDOW_S; this process and
+    its children excluded); None where /proc/stat is unavailable."""
+    seconds = QUIET_WINDOW_S if seconds is None else seconds
     try:
         b0, m0, t0 = _busy_jiffies(), _own_cpu_s(), time.monotonic()
         time.sleep(seconds)

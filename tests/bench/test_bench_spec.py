@@ -23,9 +23,11 @@ def test_the_edit_corpus_has_the_four_kinds_over_humaneval():
 
 
 @pytest.mark.slow
-def test_quick_spec_bench_writes_its_json_and_table(tmp_path):
+def test_quick_spec_bench_writes_its_json_and_table(tmp_path, monkeypatch):
+    from laneplay.bench import common
     from laneplay.kernels import lowbit
 
+    monkeypatch.setattr(common, "QUIET_WINDOW_S", 0.3)  # as `laneplay bench --quick` sets it
     assert spec.main([*QUICK["spec"], "--allow-noisy", "--out", str(tmp_path)]) == 0
     d = json.loads((tmp_path / "spec.json").read_text())
     assert d["edits"]["prompts"] == 4 and d["plain"]["prompts"] == 1 and isinstance(d["noisy"], bool)

@@ -2,6 +2,20 @@
 import pytest
 
 
+def pytest_collection_modifyitems(config, items):
+    """A module may name the configurations it runs at the largest world size (`WORLD8` in test_dtp.py:
+    eight ranks share the two cores, so each case there costs several seconds); the rest are deselected."""
+    drop = []
+    for item in items:
+        only = getattr(item.module, "WORLD8", None)
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if only is not None and params.get("cluster") == 8 and "name" in params and params["name"] not in only:
+            drop.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = [i for i in items if i not in drop]
+
+
 @pytest.fixture(scope="session")
 def default_engine():
     from laneplay.engine import load_engine
