@@ -2,12 +2,17 @@
 
 The prompt is the Playground's (editor, instruction, mode). Generate sends one request with the engine's
 `samples` extension, one entry per column (temperature, top-p, top-k, seed): the columns share one
-prefill and decode together, and each streamed choice goes to its column by its `index`. A server
-without the extension (no `laneplay` field) gets one concurrent request per column instead. Every column
-has the Playground's meter (the same data-* attributes), "Use this" (its code into the editor) and "Run
-tests" (its code against the user's assert-style tests, in the sandbox). The aggregate line sets the
-batch's tokens/s against one column alone, at the batch-1 ms/token this page measured last (its last
-Playground generation: one sample alone on the engine; never another page's).
+prefill and decode together, and each streamed choice goes to its column by its `index`. A column may
+put prompt-lookup speculation on (its checkbox); the engine never speculates a request of several
+samples, so a run with such a column sends one request per column instead, each with its own
+`"laneplay": {"speculative": "auto" | "off"}` (the engine still decodes them together, step by step; "auto"
+speculates greedy requests only). A server without the extension (no `laneplay` field) gets one
+concurrent plain request per column. Every column has the Playground's meter (the same data-* attributes,
+the speculation counts included), "Use this" (its code into the editor) and "Run tests" (its code against
+the user's assert-style tests, in the sandbox). The aggregate line sets the run's tokens/s over all
+columns against one column alone, at the batch-1 ms/token this page measured last (its last Playground
+generation: one sample alone on the engine; never another page's); it says whether the run was one
+batch request (the engine's timing) or one request per column (timed here, from the streams).
 A run is stored in the page's session as one generation batch of kind "side-by-side".
 """
 from __future__ import annotations
@@ -91,13 +96,25 @@ def column_requests(mode: str, code: str, instruction: str, shared: dict,
             for c in columns]
 
 
-def engine_requests(batched: bool, mode: str, code: str, instruction: str, shared: dict,
-                    columns: list[dict]) -> list[tuple[int | None, dict, bool]]:
-    """What Generate sends, as (column, body, chat?): the one batch request (column None), or without the
-    `samples` extension one request per column."""
-    if batched:
+def engine_requests(ours: bool, mode: str, code: str, instruction: str, shared: dict, columns: list[dict],
+                    speculative: list[bool] | None = None) -> list[tuple[int | None, dict, bool]]:
+    """What Generate sends, as (column, body, chat?). `ours`: the server has our extensions (`samples`,
+    `laneplay`); `speculative`: each column's speculation checkbox. Ours and no column speculating: the one
+    batch request (column None). Ours and a column speculating: one request per column, each saying
+    "auto" or "off" (a request of several samples never speculates). Not ours: one plain request per
+    column (its speculation is the server's business)."""
+    if not ours:
+        return [(i, body, chat) for i, (body, chat) in
+                enumerate(column_requests(mode, code, instruction, shared, columns))]
+    if not per_column(speculative):
         return [(None, *batch_request(mode, code, instruction, shared, columns))]
-    return [(i, body, chat) for i, (body, chat) in enumerate(column_requests(mode, code, instruction, shared, columns))]
+    return [(i, playground.with_speculation(body, bool(speculative[i]) if i < len(speculative) else False), chat)
+            for i, (body, chat) in enumerate(column_requests(mode, code, instruction, shared, columns))]
+
+
+def per_column(speculative: list[bool] | None) -> bool:
+    """Whether a run goes as one request per column on our engine: some column speculates."""
+    return any(bool(x) for x in speculative or ())
 
 
 def entry_point_of(prompt: str, tests: str, answer: str, given: str | None = "") -> str | None:
@@ -138,15 +155,19 @@ def problem_for(mode: str, code: str, instruction: str, text: str, tests: str,
     return problem, ex.code, ex.warnings
 
 
-def aggregate(tokens: list[int], decode_s: float | None, single_ms: float | None) -> dict:
-    """The batch's arithmetic. Decoded tokens are each column's tokens after its first (the first comes
-    from the shared prefill), as in every decode tokens/s here. Batch tokens/s = decoded tokens of all
-    columns / decode wall time; per column = that / columns. Alone: the same tokens one column after
-    another at the batch-1 ms/token `single_ms` (None: unknown, nothing is estimated)."""
+def aggregate(tokens: list[int], decode_s: float | None, single_ms: float | None, requests: str = "batch",
+              speculative: list[int] | None = None) -> dict:
+    """The run's arithmetic. Decoded tokens are each column's tokens after its first (the first comes
+    from the prefill), as in every decode tokens/s here. Batch tokens/s = decoded tokens of all columns /
+    decode wall time (first token of any column to the last of any); per column = that / columns. Alone:
+    the same tokens one column after another at the batch-1 ms/token `single_ms` (None: unknown, nothing
+    is estimated). `requests`: "batch" (one request for all columns: the engine's timing) or "per-column"
+    (one request each: timed here, from the streams); `speculative`: the columns with speculation on."""
     n, decoded = len(tokens), sum(max(t - 1, 0) for t in tokens)
     batch_tps = decoded / decode_s if decode_s and decoded else None
     sequential_s = decoded * single_ms / 1000 if single_ms and decoded else None
-    return {"columns": n, "tokens": sum(tokens), "decoded": decoded, "decode_s": decode_s, "batch_tps": batch_tps,
+    return {"columns": n, "requests": requests, "speculative": list(speculative or []),
+            "tokens": sum(tokens), "decoded": decoded, "decode_s": decode_s, "batch_tps": batch_tps,
             "column_tps": batch_tps / n if batch_tps else None, "single_ms": single_ms,
             "single_tps": 1000 / single_ms if single_ms else None, "sequential_s": sequential_s,
             "speedup": sequential_s / decode_s if sequential_s and decode_s else None}
@@ -156,19 +177,38 @@ def _f(x: float | None, fmt: str) -> str:
     return "" if x is None else format(x, fmt)
 
 
+def _columns_text(cols: list[int]) -> str:
+    names = [str(i + 1) for i in cols]
+    return f"column{'s' if len(names) > 1 else ''} " + (", ".join(names[:-1]) + " and " + names[-1]
+                                                         if len(names) > 1 else names[0])
+
+
 def aggregate_html(agg: dict | None, single_ms: float | None, state: str = "idle") -> str:
-    """The aggregate line `#sbs-aggregate`; its data-* attributes carry the numbers."""
+    """The aggregate line `#sbs-aggregate`; its data-* attributes carry the numbers: `data-requests` says
+    what was measured ("batch": one request for all columns, the engine's decode time; "per-column": one
+    request per column, the wall time from the first token of any column to the last of any, timed here)."""
     agg = agg or aggregate([], None, single_ms)
-    attrs = {"data-state": state, "data-columns": str(agg["columns"] or ""), "data-tokens": str(agg["tokens"]),
+    per_col = agg["requests"] == "per-column"
+    attrs = {"data-state": state, "data-requests": agg["requests"],
+             "data-speculative": ",".join(str(i) for i in agg["speculative"]),
+             "data-columns": str(agg["columns"] or ""), "data-tokens": str(agg["tokens"]),
              "data-batch-tps": _f(agg["batch_tps"], ".2f"), "data-column-tps": _f(agg["column_tps"], ".2f"),
              "data-decode-s": _f(agg["decode_s"], ".3f"), "data-single-ms-per-token": _f(agg["single_ms"], ".2f"),
              "data-speedup": _f(agg["speedup"], ".2f")}
     a = " ".join(f'{k}="{html.escape(x)}"' for k, x in attrs.items())
+    spec = (f" (speculation on in {_columns_text(agg['speculative'])})" if agg["speculative"] else "")
+    what = (f"{agg['columns']} requests, one per column{spec}" if per_col else f"Batch of {agg['columns']}")
     if agg["batch_tps"] is None:
-        head = ("<b>One batch for all columns.</b> Generate decodes the columns together; their tokens/s shows here."
-                if state == "idle" else f"<b>Batch of {agg['columns']}</b> · measuring…")
+        head = ("<b>One batch for all columns</b> (one request per column when a column speculates). Generate "
+                "decodes the columns together; their tokens/s shows here."
+                if state == "idle" else f"<b>{what}</b> · measuring…")
+    elif per_col:
+        head = (f"<b>{what}: {agg['batch_tps']:.1f} tokens/s</b> over all columns (the engine steps the requests "
+                f"together; a speculating column may take several tokens a step) · {agg['column_tps']:.1f} "
+                f"tokens/s per column · {agg['decoded']} tokens decoded in {agg['decode_s']:.2f} s, timed here "
+                f"from the first token of any column to the last of any")
     else:
-        head = (f"<b>Batch of {agg['columns']}: {agg['batch_tps']:.1f} tokens/s</b> over all columns · "
+        head = (f"<b>{what}: {agg['batch_tps']:.1f} tokens/s</b> over all columns · "
                 f"{agg['column_tps']:.1f} tokens/s per column · {agg['decoded']} tokens decoded in "
                 f"{agg['decode_s']:.2f} s")
     if agg["single_ms"] is None:
@@ -179,7 +219,7 @@ def aggregate_html(agg: dict | None, single_ms: float | None, state: str = "idle
     else:
         alone = (f"One column alone: {agg['single_tps']:.1f} tokens/s ({agg['single_ms']:.1f} ms/token, this page's "
                  f"last Playground generation); these tokens one column after another ≈ {agg['sequential_s']:.2f} s, "
-                 f"{agg['speedup']:.1f}× the batch's time.")
+                 f"{agg['speedup']:.1f}× {'this run' if per_col else 'the batch'}'s time.")
     return (f'<div id="sbs-aggregate" class="lp-aggregate" {a}><span>{head}</span>'
             f'<span class="lp-alone">{alone}</span></div>')
 
@@ -227,19 +267,22 @@ def share_html(gens: list[dict]) -> str:
                 f"{html.escape(status)}</span> tests"
                 + (f"<pre>{html.escape(g['test_error'])}</pre>" if g.get("test_error") else "") + "</div>"
                 if status else "<div class='lp-result lp-muted' data-status=''>not tested</div>")
-        cols.append(f"<div class='lp-sbs-share-col' data-column='{i}'><h4>Column {i + 1}</h4>"
+        spec = "" if g.get("speculative") is None else f" data-speculative='{int(bool(g['speculative']))}'"
+        cols.append(f"<div class='lp-sbs-share-col' data-column='{i}'{spec}><h4>Column {i + 1}</h4>"
                     f"<p class='lp-muted'>{html.escape(describe(g))}</p>{meter}"
                     f"<pre class='lp-code'>{html.escape(g['text'])}</pre>{test}</div>")
+    how = "one request per column" if any(g.get("speculative") for g in gens) else "in one batch"
     return (f"<section class='lp-gen lp-sbs-share' data-batch='{gens[0]['batch']}'><h3>Side by side · "
-            f"{len(gens)} columns in one batch</h3><div class='lp-sbs-grid' style='--cols:{len(gens)}'>"
+            f"{len(gens)} columns {how}</h3><div class='lp-sbs-grid' style='--cols:{len(gens)}'>"
             f"{''.join(cols)}</div></section>")
 
 
 def describe(g: dict) -> str:
     t = g.get("temperature")
     head = "greedy" if t is not None and t < 1e-5 else f"T={t:g}" if t is not None else "T=–"
+    spec = "" if g.get("speculative") is None else f" · speculation {'on' if g['speculative'] else 'off'}"
     return (f"{head} · top-p {g.get('top_p') if g.get('top_p') is not None else '–'} · "
-            f"top-k {g.get('top_k') or 'off'} · seed {g.get('seed') if g.get('seed') is not None else '–'}")
+            f"top-k {g.get('top_k') or 'off'} · seed {g.get('seed') if g.get('seed') is not None else '–'}{spec}")
 
 
 # ---- one run --------------------------------------------------------------------------------------------
@@ -255,7 +298,8 @@ def reference_ms(last: dict | None) -> float | None:
 
 def _record(i: int, c: Column) -> dict:
     return {**c.stored(i), "kind": "side-by-side", "temperature": c.settings["temperature"],
-            "top_p": c.settings["top_p"], "top_k": c.settings["top_k"], "seed": c.settings.get("seed")}
+            "top_p": c.settings["top_p"], "top_k": c.settings["top_k"], "seed": c.settings.get("seed"),
+            "speculative": c.settings.get("speculative")}
 
 
 @dataclass
@@ -288,7 +332,8 @@ class SideBySide:
 
     async def generate(self, request: gr.Request, code_text, instruction_text, mode_value, n_value, mt, stop_text,
                        *rest):
-        temps, top_ps, top_ks, seeds, sid, last = rest[0:4], rest[4:8], rest[8:12], rest[12:16], rest[16], rest[17]
+        temps, top_ps, top_ks, seeds, specs = rest[0:4], rest[4:8], rest[8:12], rest[12:16], rest[16:20]
+        sid, last = rest[20], rest[21]
         try:
             n = column_count(n_value)
             code_text, instruction_text = check_texts(code_text, instruction_text, mode_value)
@@ -302,28 +347,43 @@ class SideBySide:
         ticket = self.pages.begin(playground.page_key(self.ctx, request))
         runs = {"mode": mode_value, "code": code_text, "instruction": instruction_text, "n": n, "sid": sid,
                 "batch": None}
+        speculative = [bool(x) for x in specs[:n]]
         try:
-            async with aclosing(self._generate(ticket, runs, owner, shared, col_settings, reference_ms(last))) as fs:
+            async with aclosing(self._generate(ticket, runs, owner, shared, col_settings, reference_ms(last),
+                                               speculative)) as fs:
                 async for f in fs:
                     yield f.row()
         finally:
             ticket.end()
 
-    async def _generate(self, ticket: Ticket, runs: dict, owner, shared: dict, col_settings: list[dict], single_ms):
-        g, n, sid = Generation([Column(s) for s in col_settings]), runs["n"], runs["sid"]
+    async def _generate(self, ticket: Ticket, runs: dict, owner, shared: dict, col_settings: list[dict], single_ms,
+                        speculative: list[bool] | None = None):
+        speculative = [bool(speculative and i < len(speculative) and speculative[i]) for i in range(len(col_settings))]
+        g = Generation([Column({**s, "speculative": on}) for s, on in zip(col_settings, speculative)])
+        n, sid = runs["n"], runs["sid"]
+        how = {"requests": "per-column" if per_column(speculative) else "batch",
+               "speculative": [i for i, on in enumerate(speculative) if on]}
 
         def plan(info):  # every column's tokens with their probabilities (its token view)
-            return [(col, playground.with_logprobs(body, chat), chat) for col, body, chat in
-                    engine_requests(info.get("laneplay", True) is not False, runs["mode"], runs["code"],
-                                    runs["instruction"], shared, col_settings)]
+            ours = info.get("laneplay", True) is not False
+            requests = engine_requests(ours, runs["mode"], runs["code"], runs["instruction"], shared, col_settings,
+                                       speculative)
+            if not ours:  # a plain server: nothing about speculation was asked, so nothing is stored about it
+                for c in g.columns:
+                    c.settings["speculative"] = None
+                how["speculative"] = []
+            how["requests"] = "batch" if requests[0][0] is None else "per-column"
+            return [(col, playground.with_logprobs(body, chat), chat) for col, body, chat in requests]
+
+        def measure():
+            return aggregate([c.meter.tokens for c in g.columns], g.decode_s(), single_ms, **how)
 
         fresh = True
         async for _ in g.run(self.ctx, plan, ticket.wanted):
-            live = aggregate([c.meter.tokens for c in g.columns], g.decode_s(), single_ms)
-            yield Frame(g, n, agg=aggregate_html(live, single_ms, "running"), sid=sid, run=runs, fresh=fresh)
+            yield Frame(g, n, agg=aggregate_html(measure(), single_ms, "running"), sid=sid, run=runs, fresh=fresh)
             fresh = False
         failure = g.finish()
-        final = aggregate([c.meter.tokens for c in g.columns], g.decode_s(), single_ms)
+        final = measure()
         agg_done = aggregate_html(final, single_ms, "error" if failure else "stopped" if g.cancelled else "done")
         problem = failure or ""
         if failure is None and any(c.text for c in g.columns):
@@ -419,6 +479,10 @@ def _column_ui(i: int) -> dict:
                                     interactive=True)
             ui["seed"] = gr.Number(s["seed"], label="Seed", elem_id=f"sbs-seed-{i}", precision=0, min_width=50,
                                    interactive=True)
+        ui["speculative"] = gr.Checkbox(False, label="Speculative decoding (greedy columns only)",
+                                        info="Prompt lookup: same tokens, several per step. A sampled column runs "
+                                             "plain. Any column on: one request per column.",
+                                        elem_id=f"sbs-speculative-{i}", interactive=True)
         ui["meter"] = gr.HTML(render(MeterData(state="loading", note="starting"), f"sbs-meter-{i}", compact=True,
                                      resting=True), elem_id=f"sbs-meter-box-{i}")
         ui["out"] = gr.Code(value="", language="python", label=f"Column {i + 1}", elem_id=f"sbs-col-{i}",
@@ -478,9 +542,9 @@ def build(ctx: AppContext, session_id: gr.State, pg: dict, tabs: gr.Tabs) -> dic
     quiet = {"show_progress": "hidden"}
     ui["ncols"].change(lambda n: [gr.update(visible=i < int(n)) for i in range(MAX_COLUMNS)], [ui["ncols"]],
                        [c["box"] for c in cols], **quiet)
-    per_column = [c[k] for k in ("temp", "top_p", "top_k", "seed") for c in cols]  # 4 temperatures, 4 top-p, ...
+    column_inputs = [c[k] for k in ("temp", "top_p", "top_k", "seed", "speculative") for c in cols]  # 4 temps, ...
     ui["generate"].click(tab.generate, [pg["code"], pg["instruction"], pg["mode"], ui["ncols"], ui["max_tokens"],
-                                        ui["stops"], *per_column, session_id, pg["last"]],
+                                        ui["stops"], *column_inputs, session_id, pg["last"]],
                          [*[c["out"] for c in cols], *[c["meter"] for c in cols], error, agg, session_id, run_state,
                           *[c["result"] for c in cols], *[c["tokens"] for c in cols]],
                          concurrency_limit=None, api_name="side_by_side", trigger_mode="multiple", **quiet)

@@ -11,7 +11,7 @@ import secrets
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import (JSON, BigInteger, CheckConstraint, DateTime, Float, ForeignKey, Integer,
+from sqlalchemy import (JSON, BigInteger, Boolean, CheckConstraint, DateTime, Float, ForeignKey, Integer,
                         MetaData, String, Text, UniqueConstraint)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
@@ -113,12 +113,13 @@ class Generation(Base):
     kind: Mapped[str | None] = mapped_column(String(16))  # GENERATION_KINDS: which tab made it
     test_status: Mapped[str | None] = mapped_column(String(8))  # STATUSES, once its code ran against tests
     test_error: Mapped[str | None] = mapped_column(Text)
+    speculative: Mapped[bool | None] = mapped_column(Boolean)  # prompt-lookup speculation asked for ("auto": on)
 
     session: Mapped[PlaySession] = relationship(back_populates="generations")
 
     FIELDS = ("sample_index", "seed", "temperature", "text", "finish_reason", "prompt_tokens",
               "completion_tokens", "ttft_ms", "decode_tokens_per_second", "ms_per_token", "device", "world_size",
-              "top_p", "top_k", "kind", "test_status", "test_error")
+              "top_p", "top_k", "kind", "test_status", "test_error", "speculative")
 
     def to_dict(self) -> dict[str, Any]:
         return {"batch": self.batch, **{f: getattr(self, f) for f in self.FIELDS}, "created_at": iso(self.created_at)}

@@ -97,6 +97,7 @@ def _generation(i: int, rec: Any) -> dict[str, Any]:
         "kind": None if f["kind"] is None else v.one_of(f"{p}.kind", f["kind"], GENERATION_KINDS),
         "test_status": None if f["test_status"] is None else v.one_of(f"{p}.test_status", f["test_status"], STATUSES),
         "test_error": _excerpt(f"{p}.test_error", f["test_error"]),
+        "speculative": None if f["speculative"] is None else v.boolean(f"{p}.speculative", f["speculative"]),
         "sample_index": v.integer(f"{p}.sample_index", f["sample_index"], 0, limits.MAX_SAMPLES - 1),
         "seed": v.integer(f"{p}.seed", f["seed"], 0, "MAX_SEED", optional=True),
         "temperature": v.number(f"{p}.temperature", f["temperature"], 0.0, "MAX_TEMPERATURE", optional=True),

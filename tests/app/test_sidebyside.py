@@ -1,6 +1,7 @@
 """The Side by side tab's pieces: presets, checked settings, the one batched request (and the per-column
-fallback), code for "Use this" and "Run tests", the aggregate arithmetic, the share page's columns, and the
-streaming core against a tiny in-process server, with the `samples` extension and without it."""
+fallback), one request per column when a column speculates, code for "Use this" and "Run tests", the
+aggregate arithmetic, the share page's columns, and the streaming core against a tiny in-process server,
+with the `samples` extension, without it, and per column with speculation."""
 import asyncio
 import json
 import time
@@ -12,12 +13,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from laneplay.api_client import EngineClient, StreamEvent
 from laneplay.app.context import InputError
-from laneplay.app.sidebyside import (PRESETS, aggregate, aggregate_html, batch_request, column_code, column_requests,
-                                     engine_requests, entry_point_of, preset, problem_for, reference_ms, settings,
-                                     share_html)
+from laneplay.app.sidebyside import (PRESETS, SideBySide, aggregate, aggregate_html, batch_request, column_code,
+                                     column_requests, engine_requests, entry_point_of, preset, problem_for,
+                                     reference_ms, settings, share_html)
 from laneplay.app.stream import Column, Generation
 from laneplay.app.web import share_page
 from laneplay.evals.problems import ProblemError
+from laneplay.storage import OPERATOR, Store
 
 from .serving import serve
 
@@ -55,6 +57,29 @@ def test_one_request_carries_every_column_as_a_sample():
     assert [b["temperature"] for b, _ in per_column] == [0.0, 0.8, 1.2]
     assert "top_k" not in per_column[0][0] and per_column[1][0]["top_k"] == 50 and per_column[2][0]["seed"] == 2
     assert all("samples" not in b for b, _ in per_column)
+
+
+def test_a_speculating_column_makes_one_request_per_column_each_with_its_own_speculation():
+    shared, cols = settings(3, [0, 0, 0.8], [1, 1, 0.95], [0, 0, 50], [0, 1, 2], 40, "")
+    for off in (None, [False, False, False], [False] * 4):  # nothing on: exactly the one batch request of before
+        (col, body, chat), = engine_requests(True, "chat", "", "Write add.", shared, cols, off)
+        assert col is None and body["samples"] == cols and "laneplay" not in body and chat
+        assert (col, body, chat) == engine_requests(True, "chat", "", "Write add.", shared, cols)[0]
+    sent = engine_requests(True, "chat", "def add(a, b):\n", "Write add.", shared, cols, [True, False, True])
+    assert [col for col, _, _ in sent] == [0, 1, 2]
+    assert [b["laneplay"] for _, b, _ in sent] == [{"speculative": "auto"}, {"speculative": "off"},
+                                                    {"speculative": "auto"}]
+    plain = column_requests("chat", "def add(a, b):\n", "Write add.", shared, cols)
+    for (_, body, chat), (want, want_chat) in zip(sent, plain):  # each column's own sampling settings and seed
+        assert {k: x for k, x in body.items() if k != "laneplay"} == want and chat == want_chat
+        assert "samples" not in body and "n" not in body and body["max_tokens"] == 40
+    assert [b["seed"] for _, b, _ in sent] == [0, 1, 2] and [b["temperature"] for _, b, _ in sent] == [0.0, 0.0, 0.8]
+    assert "top_k" not in sent[0][1] and sent[2][1]["top_k"] == 50
+    assert len(engine_requests(True, "chat", "", "x", shared, cols, [False, True])) == 3  # a short list: the rest off
+    # A server without our extensions: plain requests per column, with or without the checkboxes.
+    for spec in (None, [True, True, True]):
+        assert all(col == i and "laneplay" not in b for i, (col, b, _) in
+                   enumerate(engine_requests(False, "chat", "", "x", shared, cols, spec)))
 
 
 ANSWER = ("Here you go:\n```python\ndef add(a, b):\n    return a + b\n\nprint(add(1, 2))\n```\n"
@@ -116,6 +141,22 @@ def test_the_batch_1_reference_is_this_pages_own_last_playground_run():
     assert "this page's last Playground generation" in html and 'data-single-ms-per-token="12.50"' in html
 
 
+def test_the_aggregate_line_says_what_a_per_column_run_measures():
+    batch = aggregate_html(aggregate([10, 20], 1.0, None), None, "done")
+    assert 'data-requests="batch"' in batch and 'data-speculative=""' in batch and "Batch of 2: 28.0 tokens/s" in batch
+    agg = aggregate([10, 20], 1.0, 20.0, requests="per-column", speculative=[0])
+    assert agg["batch_tps"] == pytest.approx(28.0) and agg["requests"] == "per-column"
+    html = aggregate_html(agg, 20.0, "done")
+    assert 'data-requests="per-column"' in html and 'data-speculative="0"' in html and 'data-batch-tps="28.00"' in html
+    assert "2 requests, one per column (speculation on in column 1): 28.0 tokens/s" in html
+    assert "timed here from the first token of any column to the last of any" in html and "Batch of" not in html
+    assert "this run's time" in html
+    running = aggregate_html(aggregate([1, 0, 0], None, None, "per-column", [0, 2]), None, "running")
+    assert "3 requests, one per column (speculation on in columns 1 and 3)</b> · measuring" in running
+    idle = aggregate_html(None, None)
+    assert 'data-requests="batch"' in idle and "one request per column when a column speculates" in idle
+
+
 def gen(batch, i, kind="side-by-side", **kw):
     return {"batch": batch, "sample_index": i, "kind": kind, "seed": i, "temperature": [0.0, 0.8, 1.2][i],
             "top_p": 0.95, "top_k": 50, "text": f"text {batch}/{i}", "finish_reason": "length",
@@ -133,6 +174,16 @@ def test_the_share_page_shows_a_batch_as_columns_and_keeps_the_playground_ids():
     page = share_page("t" * 43, {"generations": gens, "code": "", "instruction": "", "comparisons": []})
     assert page.count('id="meter"') == 1 and "id=output>text 1/0" in page
     assert page.count("lp-sbs-share-col") == 3 and "Output 1 " in page
+    assert "data-speculative" not in cols and "speculation" not in cols and "in one batch" in cols  # older runs
+
+
+def test_the_share_page_shows_each_columns_speculation():
+    cols = share_html([gen(3, 0, temperature=0.0, speculative=True), gen(3, 1, temperature=0.0, speculative=False)])
+    assert "data-column='0' data-speculative='1'" in cols and "data-column='1' data-speculative='0'" in cols
+    assert "seed 0 · speculation on" in cols and "seed 1 · speculation off" in cols
+    assert "2 columns one request per column" in cols and "in one batch" not in cols
+    cols = share_html([gen(4, 0, speculative=False), gen(4, 1, speculative=False)])
+    assert "in one batch" in cols and cols.count("speculation off") == 2
 
 
 # ---- the streaming core against an in-process server ------------------------------------------------------
@@ -147,6 +198,8 @@ def fake_engine() -> FastAPI:
     async def chat(request: Request):
         body = await request.json()
         app.state.bodies.append(body)
+        if "laneplay" in body:
+            return StreamingResponse(ours_alone(body), media_type="text/event-stream")
         if body.get("max_tokens") == 99:
             return JSONResponse({"error": {"message": "queue full"}}, status_code=429, headers={"Retry-After": "7"})
         samples = body.get("samples") or [{"temperature": body.get("temperature")}]
@@ -182,6 +235,30 @@ def fake_engine() -> FastAPI:
         return StreamingResponse(events(), media_type="text/event-stream")
 
     return app
+
+
+SPEC_COUNTS = {"draft_tokens": 2, "accepted_tokens": 1, "decode_steps": 1}  # 3 tokens: the first, then 2 in 1 step
+
+
+async def ours_alone(body):
+    """Our server's answer to a request of one sample with a "laneplay" object: "auto" on a greedy request
+    speculates (live counts, then the final ones in its timing); anything else decodes one token a step."""
+    spec = body["laneplay"]["speculative"] == "auto" and body.get("temperature") == 0.0
+    yield ": laneplay running\n\n"
+    for k in range(3):
+        await asyncio.sleep(0.01)
+        if spec and k == 2:
+            yield ": laneplay speculative 0 2 1 1 3\n\n"
+        choice = {"index": 0, "delta": {"content": f"S{body['seed']}.{k} "}, "finish_reason": "length" if k == 2 else None}
+        yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+    counts = ({"speculative": "lookup", **SPEC_COUNTS} if spec else
+              {"speculative": "off", "draft_tokens": 0, "accepted_tokens": 0, "decode_steps": 2})
+    timing = {"index": 0, "ttft_ms": 5.0, "decode_tokens_per_second": 30.0, "ms_per_token": 33.0,
+              "completion_tokens": 3, **counts}
+    final = {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 3},
+             "laneplay": {"ttft_ms": 5.0, "total_ms": 80.0, "device": "cpu", "world_size": 1, "per_choice": [timing]}}
+    yield f"data: {json.dumps(final)}\n\n"
+    yield "data: [DONE]\n\n"
 
 
 @pytest.fixture(scope="module")
@@ -264,3 +341,92 @@ def test_routing_ignores_choices_past_the_shown_columns():
     b.route(None, StreamEvent("delta", index=1, text="x"))
     b.route(None, StreamEvent("delta", index=5, text="y"))
     assert [c.text for c in b.columns] == ["", "x"] and b.columns[1].meter.tokens == 1
+
+
+def test_per_column_requests_stream_each_column_with_its_own_speculation_counts(engine):
+    shared, cols = settings(2, [0, 0], [1, 1], [0, 0], [0, 1], 3, "")
+    engine.app.state.bodies.clear()
+    b = run_batch(engine, engine_requests(True, "chat", "", "Write add.", shared, cols, [True, False]), 2)
+    assert [x["laneplay"] for x in engine.app.state.bodies] in ([{"speculative": "auto"}, {"speculative": "off"}],
+                                                                 [{"speculative": "off"}, {"speculative": "auto"}])
+    assert b.finish() is None and b.timing is None  # two requests: no one record of the run
+    assert [c.text for c in b.columns] == ["S0.0 S0.1 S0.2 ", "S1.0 S1.1 S1.2 "]
+    on, off = (c.meter for c in b.columns)
+    assert (on.accepted_per_step, on.acceptance) == (2.0, 0.5)  # the engine's: (3 - 1) / 1 step, 1 of 2 drafts
+    assert (off.accepted_per_step, off.acceptance) == (None, None)  # a column that did not speculate shows none
+    assert all(m.source == "server" and m.state == "done" and m.engine_ttft_ms == 5.0 for m in (on, off))
+    assert b.decode_s() is not None  # timed here: first token of any column to the last of any
+
+
+OWNER = "o" * 43
+
+
+def sbs_context(engine, info: dict):
+    return SimpleNamespace(client=engine.client, engine=SimpleNamespace(ready=True, info=info, state="ready",
+                                                                        detail=""), store=Store("sqlite://"))
+
+
+def generate(ctx, spec: list[bool], n: int = 2) -> tuple[list, dict]:
+    """SideBySide's run of n greedy columns (seeds 0, 1, ...) as the page gets it: its frames, and the run."""
+    shared, cols = settings(n, [0] * n, [1] * n, [0] * n, list(range(n)), 3, "")
+    runs = {"mode": "chat", "code": "", "instruction": "Write add.", "n": n, "sid": None, "batch": None}
+    tab, frames = SideBySide(ctx), []
+
+    async def go():
+        async for f in tab._generate(tab.pages.begin(("me", "page")), runs, OWNER, shared, cols, None, spec):
+            frames.append(f)
+    asyncio.run(go())
+    return frames, runs
+
+
+def test_a_run_with_a_speculating_column_is_stored_and_shown_per_column(engine):
+    ctx = sbs_context(engine, {"laneplay": True, "device": "cpu", "model": "m"})
+    engine.app.state.bodies.clear()
+    frames, runs = generate(ctx, [True, False])
+    assert len(engine.app.state.bodies) == 2 and not any("samples" in x for x in engine.app.state.bodies)
+    assert all(x["logprobs"] for x in engine.app.state.bodies)  # the token views, as in the batch
+    last = frames[-1]
+    assert [c.text for c in last.g.columns] == ["S0.0 S0.1 S0.2 ", "S1.0 S1.1 S1.2 "]
+    assert 'data-state="done"' in last.agg and 'data-requests="per-column"' in last.agg
+    assert 'data-speculative="0"' in last.agg and "2 requests, one per column" in last.agg
+    row = last.row()
+    meters = row[4:6]
+    assert 'data-accepted-per-step="2.000"' in meters[0] and 'data-acceptance="0.500"' in meters[0]
+    assert 'data-accepted-per-step=""' in meters[1] and 'data-acceptance=""' in meters[1]
+    gens = ctx.store.get_session(runs["sid"], owner=OPERATOR)["generations"]
+    assert [(g["speculative"], g["seed"], g["temperature"], g["kind"]) for g in gens] == \
+        [(True, 0, 0.0, "side-by-side"), (False, 1, 0.0, "side-by-side")]
+    token, _ = ctx.store.share_session(runs["sid"], owner=OPERATOR)
+    page = share_page(token, ctx.store.get_shared(token))
+    assert "speculation on" in page and "speculation off" in page and "one request per column" in page
+
+
+def test_a_run_without_speculation_is_one_batch_request_as_before(engine):
+    ctx = sbs_context(engine, {"laneplay": True})
+    engine.app.state.bodies.clear()
+    frames, runs = generate(ctx, [False, False, False], n=3)
+    (body,) = engine.app.state.bodies
+    assert len(body["samples"]) == 3 and "laneplay" not in body
+    assert 'data-requests="batch"' in frames[-1].agg and "Batch of 3" in frames[-1].agg
+    gens = ctx.store.get_session(runs["sid"], owner=OPERATOR)["generations"]
+    assert [g["speculative"] for g in gens] == [False, False, False]
+
+
+def test_a_plain_server_gets_plain_requests_and_nothing_is_stored_about_speculation(engine):
+    ctx = sbs_context(engine, {"laneplay": False})
+    engine.app.state.bodies.clear()
+    frames, runs = generate(ctx, [True, False])
+    assert len(engine.app.state.bodies) == 2 and not any("laneplay" in x for x in engine.app.state.bodies)
+    assert 'data-requests="per-column"' in frames[-1].agg and 'data-speculative=""' in frames[-1].agg
+    gens = ctx.store.get_session(runs["sid"], owner=OPERATOR)["generations"]
+    assert [g["speculative"] for g in gens] == [None, None]
+
+
+def test_stop_ends_every_per_column_request(engine):
+    shared, cols = settings(2, [0, 0], [1, 1], [0, 0], [0, 1], 3, "")
+    t0 = time.monotonic()
+    b = run_batch(engine, engine_requests(True, "chat", "", "x", shared, cols, [True, False]), 2,
+                  wanted=lambda: time.monotonic() - t0 < 0.015)
+    assert b.finish() is None and b.cancelled
+    assert all(c.meter.state in ("done", "stopped") for c in b.columns)
+    assert any(c.meter.state == "stopped" and c.finish == "cancelled" for c in b.columns)

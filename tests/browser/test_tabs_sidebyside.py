@@ -1,13 +1,17 @@
 """The Side by side tab in a real browser against a real `laneplay serve`: three columns with their own
-settings stream at once from one batched request, then "Run tests", "Use this" and the share page."""
+settings stream at once from one batched request, then "Run tests", "Use this" and the share page; and two
+greedy columns of one code edit, speculation on in one and off in the other, as one request per column."""
 from __future__ import annotations
 
+import json
 import re
 import time
+import urllib.request
 
 import pytest
 
-from laneplay.app.sidebyside import column_code
+from laneplay.app.playground import with_logprobs
+from laneplay.app.sidebyside import column_code, engine_requests, settings
 
 from .conftest import screenshot
 from .test_playground import meter, set_field, wait_state
@@ -33,8 +37,8 @@ def choose_preset(page, column: int, name: str) -> None:
     box = page.locator(f"#sbs-preset-{column} input")
     box.click()
     page.locator(f"#{box.get_attribute('aria-controls')} [role=option][aria-label='{name}']").click()
-    page.wait_for_function(f"() => document.querySelector('#sbs-temp-{column} input').value === "
-                           f"'{name.removeprefix('T=')}'")
+    temperature = "0" if name == "greedy" else name.removeprefix("T=")
+    page.wait_for_function(f"() => document.querySelector('#sbs-temp-{column} input').value === '{temperature}'")
 
 
 def show_columns(page) -> None:
@@ -136,3 +140,82 @@ def test_three_columns_stream_as_one_batch_then_test_use_and_share(server, new_c
     assert float(page.get_attribute("#sbs-aggregate", "data-single-ms-per-token")) == pytest.approx(alone_ms, abs=0.01)
     assert "this page's last Playground generation" in page.inner_text("#sbs-aggregate")
     assert rec.hosts == {"127.0.0.1"}, rec.hosts
+
+
+SPEC_TOKENS = 40
+SPEC_CODE = "".join(f"    def get_{n}(self):\n        return self.{n}\n\n" for n in ("alpha", "beta", "gamma", "delta"))
+SPEC_CODE = "class Box:\n" + SPEC_CODE
+SPEC_INSTRUCTION = "Add a docstring to every method of this class. Reply with the whole class."
+
+
+def spec_meter(page, column: int) -> dict:
+    return page.eval_on_selector(f"#sbs-meter-{column}", "m => ({perStep: m.dataset.acceptedPerStep, acceptance: "
+                                                         "m.dataset.acceptance, tokens: Number(m.dataset.tokens)})")
+
+
+def engine_counts(server) -> dict:
+    """Column 0's request as the tab sends it, straight to the engine: a greedy request's drafts depend on
+    its tokens alone (the controller reads no clock), so its counts are the column's."""
+    shared, cols = settings(2, [0, 0], [1, 1], [0, 0], [0, 1], SPEC_TOKENS, "")
+    (col, body, chat), _ = engine_requests(True, "chat", SPEC_CODE, SPEC_INSTRUCTION, shared, cols, [True, False])
+    assert col == 0 and body["laneplay"] == {"speculative": "auto"} and chat
+    req = urllib.request.Request(server.status()["url"] + "/v1/chat/completions",
+                                 data=json.dumps(with_logprobs(body, chat)).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def test_two_greedy_columns_with_speculation_on_and_off_give_the_same_text(server, new_context):
+    ctx, rec = new_context()
+    page = ctx.new_page()
+    page.goto(server.url + "/")
+    page.wait_for_selector("#meter")
+    server.wait_ready()
+    page.locator("#code .cm-content").fill(SPEC_CODE)
+    page.locator("#instruction textarea").fill(SPEC_INSTRUCTION)
+    page.get_by_role("tab", name="Side by side").click()
+    page.wait_for_function("() => (document.querySelector('#sbs-prompt')?.innerText || '').includes('get_alpha')")
+    page.locator("#sbs-columns label").filter(has_text=re.compile(r"^\s*2\s*$")).click()
+    page.locator("#sbs-col-2").wait_for(state="hidden")
+    choose_preset(page, 1, "greedy")  # column 0 is greedy already: both are now the same request
+    assert [page.input_value(f"#sbs-{k}-{i} input") for i in (0, 1) for k in ("temp", "top-p", "top-k")] == \
+        ["0", "1", "0"] * 2
+    assert not page.is_checked("#sbs-speculative-0 input") and not page.is_checked("#sbs-speculative-1 input")
+    assert "greedy" in page.inner_text("#sbs-speculative-0")  # the hint: speculation applies to greedy columns
+    page.locator("#sbs-speculative-0 input").check()
+    set_field(page, "sbs-max-tokens", str(SPEC_TOKENS))
+    wait_state(page, ["idle"], timeout=30, elem="#sbs-meter-0")
+
+    page.click("#sbs-generate")
+    done = [wait_state(page, ["done", "error", "stopped"], elem=f"#sbs-meter-{i}") for i in (0, 1)]
+    assert all(m["state"] == "done" and m["tokens"] > 1 for m in done), (done, page.inner_text("#sbs-error"))
+    page.wait_for_function("() => document.querySelector('#sbs-aggregate').dataset.state === 'done'")
+    agg = page.eval_on_selector("#sbs-aggregate", "a => ({...a.dataset, text: a.innerText})")
+    assert agg["requests"] == "per-column" and agg["speculative"] == "0" and agg["columns"] == "2", agg
+    assert "2 requests, one per column (speculation on in column 1)" in agg["text"] and float(agg["batchTps"]) > 0
+    texts = [editor_text(page, f"#sbs-col-{i}") for i in (0, 1)]
+    assert texts[0].strip() and texts[0] == texts[1], texts  # greedy is exact, speculating or not
+
+    shown, plain = spec_meter(page, 0), spec_meter(page, 1)
+    reply = engine_counts(server)
+    lp, usage = reply["laneplay"], reply["usage"]
+    assert reply["choices"][0]["message"]["content"] == texts[0]
+    assert lp["speculative"] == "lookup" and usage["draft_tokens"] > 0, lp
+    steps, tokens = lp["decode_steps"], usage["completion_tokens"]
+    assert shown["tokens"] == tokens and shown["perStep"] == f"{(tokens - 1) / steps:.3f}", (shown, lp, usage)
+    assert shown["acceptance"] == f"{usage['accepted_tokens'] / usage['draft_tokens']:.3f}", (shown, usage)
+    assert float(shown["perStep"]) > 1.0  # the class was drafted from the prompt and kept
+    assert plain["perStep"] == "" and plain["acceptance"] == "", plain  # column 1 did not speculate
+
+    # The run is stored with each column's speculation and shown so in its share page.
+    page.get_by_role("tab", name="Playground").click()
+    page.click("#share")
+    page.wait_for_selector("#share-link")
+    viewer = ctx.new_page()
+    assert viewer.goto(page.get_attribute("#share-link", "href")).status == 200
+    cols = viewer.locator(".lp-sbs-share-col")
+    assert cols.count() == 2 and "one request per column" in viewer.inner_text(".lp-sbs-share h3")
+    assert [cols.nth(i).get_attribute("data-speculative") for i in (0, 1)] == ["1", "0"]
+    assert "speculation on" in cols.nth(0).inner_text() and "speculation off" in cols.nth(1).inner_text()
+    rec.check()

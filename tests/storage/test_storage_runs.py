@@ -67,8 +67,8 @@ def test_runs_are_listed_per_owner_with_their_progress(store):
 def test_columns_keep_their_settings_and_test_outcome_through_share_and_fork(store):
     sid = store.create_session(title="sbs", owner=OWNER, columns=3)
     rows = [{"sample_index": i, "text": f"col {i}", "seed": i, "temperature": t, "top_p": p, "top_k": k,
-             "kind": "side-by-side", "prompt_tokens": 5, "completion_tokens": 3}
-            for i, (t, p, k) in enumerate([(0.0, 1.0, 0), (0.2, 0.9, 40), (0.8, 0.95, 0)])]
+             "kind": "side-by-side", "speculative": spec, "prompt_tokens": 5, "completion_tokens": 3}
+            for i, (t, p, k, spec) in enumerate([(0.0, 1.0, 0, True), (0.2, 0.9, 40, False), (0.8, 0.95, 0, None)])]
     batch = store.add_generations(sid, rows, owner=OPERATOR)
     store.set_generation_test(sid, batch, 1, "fail", "AssertionError: x", owner=OPERATOR)
     _, cid = _run(store)
@@ -76,6 +76,8 @@ def test_columns_keep_their_settings_and_test_outcome_through_share_and_fork(sto
         store.set_generation_test(sid, batch, 7, "pass", owner=OPERATOR)
     with pytest.raises(ValidationError):
         store.add_generations(sid, [{**rows[0], "kind": "sideways"}], owner=OPERATOR)
+    with pytest.raises(ValidationError, match="speculative"):
+        store.add_generations(sid, [{**rows[0], "speculative": "auto"}], owner=OPERATOR)
     running = store.create_comparison(problem_set="humaneval", problem_ids=["HumanEval/0"], n=1,
                                       temperature=0.5, session_id=sid, owner=OPERATOR)
     token, _ = store.share_session(sid, owner=OPERATOR)
@@ -83,6 +85,7 @@ def test_columns_keep_their_settings_and_test_outcome_through_share_and_fork(sto
     gens = forked["generations"]
     assert [g["top_k"] for g in gens] == [0, 40, 0] and gens[1]["test_status"] == "fail"
     assert all(g["kind"] == "side-by-side" for g in gens)
+    assert [g["speculative"] for g in gens] == [True, False, None]  # None: nothing was asked (older runs)
     assert [c["status"] for c in forked["comparisons"]] == ["interrupted"]  # a copy is never a live job
     assert store.get_comparison(running, owner=OPERATOR)["status"] == "running" and cid
 
