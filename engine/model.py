@@ -86,12 +86,20 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     q [N, Hq, 1, hd], k/v [N, Hkv, T, hd] -> [N, Hq, 1, hd]. Scores softmax in float32.
     (Small matmuls beat the fused CPU attention kernel at one query.)
     """
+    return flat_decode_attention(q, k.flatten(0, 1), v.flatten(0, 1), k.shape[1])
+
+
+def flat_decode_attention(q: Tensor, k: Tensor, v: Tensor, hkv: int) -> Tensor:
+    """`decode_attention` with the row and KV-head axes of k/v flattened: k/v [N*Hkv, T, hd].
+
+    The compiled decode block passes `kc.flatten(0, 1)[:, :n]`: the visible slots of the flattened
+    cache are a view whatever n is, where reshaping the [N, Hkv, n, hd] slice depends on whether n
+    is the whole cache (and the compiled block would guard on it)."""
     N, hq, _, hd = q.shape
-    hkv = k.shape[1]
-    qg = q.reshape(N, hkv, hq // hkv, hd)  # query head j uses KV head j // (hq / hkv)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * hd ** -0.5  # [N, Hkv, rep, T]
+    qg = q.reshape(N * hkv, hq // hkv, hd)  # query head j uses KV head j // (hq / hkv)
+    scores = torch.bmm(qg, k.transpose(1, 2)).float() * hd ** -0.5  # [N*Hkv, rep, T]
     probs = scores.softmax(-1).to(v.dtype)
-    return torch.matmul(probs, v).reshape(N, hq, 1, hd)
+    return torch.bmm(probs, v).reshape(N, hq, 1, hd)
 
 
 def chunk_attention(q: Tensor, k: Tensor, v: Tensor, past: tuple[Tensor, Tensor] | None) -> Tensor:
@@ -133,13 +141,18 @@ def decode_blocks(cfg: ModelConfig):
     """The two per-layer functions of one decode step, pure in their tensor arguments."""
     eps = cfg.norm_eps
 
-    def attention_block(h, norm_w, wqkv, wo, kc, vc, cos, sin, slot: Tensor, n: int) -> Tensor:
-        """h [L, B, 1, D] -> attention partial [L, B, 1, D]; writes this token's K/V into slot."""
+    def attention_block(h, norm_w, wqkv, wo, kc, vc, cos, sin, slot: Tensor, n: int | Tensor) -> Tensor:
+        """h [L, B, 1, D] -> attention partial [L, B, 1, D]; writes this token's K/V into slot and
+        attends over slots [0, n). n is an int, or a 0-d tensor holding it (the compiled block)."""
         L, B = h.shape[:2]
+        if isinstance(n, Tensor):  # see _compiled_blocks
+            n = n.item()
+            torch._check(n >= 1)
+            torch._check(n <= kc.shape[2])
         q, k, v = project_qkv(rms_norm(h, norm_w, eps), wqkv, cos, sin, cfg)
         kc.index_copy_(2, slot, k)
         vc.index_copy_(2, slot, v)
-        o = decode_attention(q, kc[:, :, :n], vc[:, :, :n])
+        o = flat_decode_attention(q, kc.flatten(0, 1)[:, :n], vc.flatten(0, 1)[:, :n], kc.shape[1])
         return lane_linear(o.transpose(1, 2).reshape(L, B, 1, -1), wo)
 
     def mlp_block(h, norm_w, w13, w2) -> Tensor:
@@ -148,6 +161,60 @@ def decode_blocks(cfg: ModelConfig):
         return lane_linear(F.silu(gate) * up, w2)
 
     return attention_block, mlp_block
+
+
+def _standard_strides(x: Tensor) -> Tensor:
+    """x itself when it has the contiguous strides of its shape (size-1 dims included), else a copy that
+    has them. A compiled block guards on its arguments' strides: a lane axis expanded from one stream
+    has stride 0, and a one-row slice of a stream keeps its parent's strides in its size-1 dims."""
+    stride, expect = x.stride(), 1
+    for d in range(x.dim() - 1, -1, -1):
+        if stride[d] != expect:
+            return x.clone(memory_format=torch.contiguous_format)
+        expect *= x.shape[d]
+    return x
+
+
+def _compiled_blocks(attention_block, mlp_block):
+    """`decode_blocks`' functions compiled so that each compiles twice: for one row, and for any
+    number of rows >= 2 at any position, cache length and window.
+
+    Every size is static (the weights, the heads, cos/sin [1, hd/2]) except the ones marked dynamic
+    here: the stream's rows and the K/V cache's rows and slots. `maybe_mark_dynamic` lets a size of 1
+    specialise (the one-row graph) and makes symbols that are never duck-sized, i.e. never tied to
+    another size because the two happened to be equal at the first compile. The visible slot count n
+    goes in as a 0-d tensor read inside the graph (`fullgraph` keeps the read in it): as a plain
+    dynamic int the graph would also guard on n < slots (whether the visible slice of the cache is
+    contiguous: it is once a ring is full, or at a cache's last position) and on n <= 4096 (how
+    inductor sums a float reduction that long). The stream goes in with its contiguous strides
+    (`_standard_strides`); cos/sin must be tensors of their own, not views at the position's offset;
+    the caches must not be views (`KVCache`). The MLP acts row by row, so the stream [L, B, S, D] goes
+    in as [L, B*S, 1, D]: decode steps and prefill chunks share its two graphs.
+
+    `dynamic=False` turns off automatic dynamic shapes (a size that changes recompiles with it made
+    symbolic, and that state is kept per function, so another model in the process would make the
+    first one's sizes symbolic); `isolate_recompiles` gives each model its own compiled graphs and
+    recompile limit (the functions' code is shared by every model).
+    """
+    attention = torch.compile(attention_block, fullgraph=True, dynamic=False, isolate_recompiles=True)
+    mlp = torch.compile(mlp_block, fullgraph=True, dynamic=False, isolate_recompiles=True)
+    mark = torch._dynamo.maybe_mark_dynamic
+
+    def compiled_attention(h, norm_w, wqkv, wo, kc, vc, cos, sin, slot: Tensor, n: int) -> Tensor:
+        h = _standard_strides(h)
+        mark(h, 1)  # rows
+        for c in (kc, vc):
+            mark(c, 0)  # lanes x rows
+            mark(c, 2)  # slots: the request's length, or the window of a ring layer
+        return attention(h, norm_w, wqkv, wo, kc, vc, cos, sin, slot, torch.tensor(n))
+
+    def compiled_mlp(h, norm_w, w13, w2) -> Tensor:
+        L, B, S, D = h.shape
+        x = _standard_strides(h.reshape(L, B * S, 1, D))
+        mark(x, 1)  # rows x positions
+        return mlp(x, norm_w, w13, w2).view(L, B, S, -1)
+
+    return compiled_attention, compiled_mlp
 
 
 class LocalLanes:
@@ -193,29 +260,44 @@ class KVCache:
 
     Full-attention layers have one slot per position; sliding-window layers a ring buffer of
     `W` slots (position p lives in slot p % W), so their memory does not grow with the sequence.
+
+    The tensors are ordinary (not inference) tensors whatever mode they are made in, and none is a view
+    of a larger tensor: a compiled decode block guards on both (an inference-mode cache and another one
+    would compile it twice). Writing into a cache needs no inference mode.
     """
 
     def __init__(self, cfg: ModelConfig, n_lanes: int, batch: int, max_seq_len: int, dtype, device):
         self.batch, self.max_seq_len = batch, max_seq_len
         self.k, self.v, self.slots = [], [], []
-        for i in range(cfg.num_layers):
-            w = cfg.window(i)
-            slots = min(w, max_seq_len) if w else max_seq_len
-            shape = (n_lanes * batch, cfg.kv_heads_per_lane, slots, cfg.head_dim)
-            self.k.append(torch.zeros(shape, dtype=dtype, device=device))
-            self.v.append(torch.zeros(shape, dtype=dtype, device=device))
-            self.slots.append(slots)
+        with torch.inference_mode(False):
+            for i in range(cfg.num_layers):
+                w = cfg.window(i)
+                slots = min(w, max_seq_len) if w else max_seq_len
+                shape = (n_lanes * batch, cfg.kv_heads_per_lane, slots, cfg.head_dim)
+                self.k.append(torch.zeros(shape, dtype=dtype, device=device))
+                self.v.append(torch.zeros(shape, dtype=dtype, device=device))
+                self.slots.append(slots)
 
     def expand_batch(self, n: int) -> "KVCache":
         """A cache for n sequences that all start with this (batch-1) cache's content."""
         assert self.batch == 1
         out = object.__new__(KVCache)
         out.batch, out.max_seq_len, out.slots = n, self.max_seq_len, list(self.slots)
-        out.k = [t.repeat_interleave(n, dim=0) for t in self.k]  # lane-major: [L*1] -> [L*n]
-        out.v = [t.repeat_interleave(n, dim=0) for t in self.v]
+        out.k = [_repeat_rows(t, n) for t in self.k]
+        out.v = [_repeat_rows(t, n) for t in self.v]
         return out
 
 
+
+
+def _repeat_rows(t: Tensor, n: int) -> Tensor:
+    """[L, ...] -> [L*n, ...], each row n times (lane-major: lane l's n rows are l*n .. l*n + n-1), as an
+    ordinary tensor of its own: `repeat_interleave` gives a view of a larger tensor, and a compiled
+    decode block guards on the layout of a view's base as well."""
+    with torch.inference_mode(False):
+        out = t.new_empty((t.shape[0] * n, *t.shape[1:]))
+        out.view(t.shape[0], n, *t.shape[1:]).copy_(t.unsqueeze(1))
+    return out
 
 
 class KVPrefix:
@@ -307,7 +389,7 @@ class Rewind:
             raise ValueError(f"cannot keep {n} of {self.S} verified positions")
         if n == self.S:
             return
-        with torch.inference_mode():  # the caches are inference tensors
+        with torch.inference_mode():  # k, v were saved in inference mode (a verify)
             for i, idx, k, v in self.saved:
                 self.cache.k[i].index_copy_(2, idx[n:], k[:, :, n:])
                 self.cache.v[i].index_copy_(2, idx[n:], v[:, :, n:])
@@ -392,11 +474,13 @@ class LaneModel(nn.Module):
 
     def compile_blocks(self) -> None:
         """Compile the two per-layer block functions (fused elementwise work, no Python per op).
-        The low-bit blocks are fused C calls already: nothing to compile."""
+        The low-bit blocks are fused C calls already: nothing to compile.
+
+        Each block compiles twice: for one row and for any number of rows >= 2, at any position and
+        cache length (see `_compiled_blocks`); `LocalRunner.warm_up` runs both before any request."""
         if self.lowbit:
             return
-        self.attention_block = torch.compile(self.attention_block, dynamic=True)
-        self.mlp_block = torch.compile(self.mlp_block, dynamic=True)
+        self.attention_block, self.mlp_block = _compiled_blocks(*decode_blocks(self.cfg))
 
     # -- sub-blocks (lane-local: lane l reads only its own stream and weights) ---------------------
     def attention(self, i: int, x: Tensor, pos: int, cache: KVCache | None) -> Tensor:
@@ -479,11 +563,13 @@ class LaneModel(nn.Module):
             h = h + self.reduce(i, "mlp", self.mlp_block(h, w.ffn_norm, w.w13, w.w2), saved)
         return h
 
+    @torch.inference_mode()
     def decode(self, tokens: Tensor, pos: int, cache: KVCache) -> Tensor:
         """The per-token hot path: tokens [B, 1] at position pos -> logits [B, V].
 
         Same function as `forward` with S = 1, organised as two pure block functions per layer
-        (which the engine may compile) with the cross-lane reduce between them.
+        (which the engine may compile) with the cross-lane reduce between them. Always in inference
+        mode, as the engine runs it (a compiled block guards on the grad mode).
         """
         cfg = self.cfg
         if pos + 1 > cache.max_seq_len:
@@ -492,7 +578,7 @@ class LaneModel(nn.Module):
             return self.fused_step(tokens, pos, cache)
         B = tokens.shape[0]
         h = F.embedding(tokens, self.embed).unsqueeze(0).expand(len(self.lanes), B, 1, cfg.hidden_size)
-        cos, sin = self.cos[pos:pos + 1], self.sin[pos:pos + 1]
+        cos, sin = self._rope_row(pos)
         # A layer writes slot pos (full) or pos % W (ring) and reads the filled slots: exactly the
         # visible keys, since the slot it overwrites is the one that just left the window.
         where = {slots: (pos % slots if self.lowbit else torch.tensor([pos % slots], device=self.device),
@@ -504,6 +590,11 @@ class LaneModel(nn.Module):
             h = h + self.reduce(i, "attention", a, saved)
             h = h + self.reduce(i, "mlp", self.mlp_block(h, w.ffn_norm, w.w13, w.w2), saved)
         return self.head(h)[:, -1]
+
+    def _rope_row(self, pos: int) -> tuple[Tensor, Tensor]:
+        """cos, sin [1, hd/2] of one position, as tensors of their own (a compiled block would guard on
+        the storage offset of a view into the tables, which changes with the position)."""
+        return self.cos[pos:pos + 1].clone(), self.sin[pos:pos + 1].clone()
 
     def head(self, h: Tensor) -> Tensor:
         """Final norm, lane aggregation and LM head (docs/laneformer.md §7). h [L, B, S, D] -> logits [B, S, V]."""
@@ -602,6 +693,7 @@ class LaneModel(nn.Module):
                 return logits.unsqueeze(0), rewind
             return self.head(self.hidden_states(tokens, pos, cache)), rewind
 
+    @torch.inference_mode()
     def decode_groups(self, tokens: Tensor, groups: list[tuple[int, KVCache]]) -> Tensor:
         """One decode step for several sequences that do not share a cache or a position (separate
         requests): groups [(pos, cache)], cache i holding the next rows of tokens [B, 1] -> logits [B, V].
@@ -627,7 +719,7 @@ class LaneModel(nn.Module):
         edges = [0, *itertools.accumulate(rows)]
         per_group = []
         for pos, cache in groups:
-            cos, sin = self.cos[pos:pos + 1], self.sin[pos:pos + 1]
+            cos, sin = self._rope_row(pos)
             where = {slots: (pos % slots if self.lowbit else torch.tensor([pos % slots], device=self.device),
                              min(pos + 1, slots)) for slots in set(cache.slots)}
             per_group.append((cache, cos, sin, where))

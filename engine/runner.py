@@ -140,7 +140,9 @@ class LocalRunner:
 
     @torch.inference_mode()
     def warm_up(self, batches: tuple[int, ...] = (1, 2)) -> None:
-        """Run the decode step at each batch size and at two positions (compiles both shape cases)."""
+        """Prefill and run decode steps at each batch size: compiles the blocks' one-row and many-row
+        graphs (`LaneModel.compile_blocks`; every later batch size, position and cache length reuses
+        them), or captures the static step's graphs."""
         ids = torch.ones(1, 4, dtype=torch.long, device=self.device)
         for n in batches:
             self.prefill(ids, n, 8)

@@ -158,17 +158,50 @@ def test_shared_prefill_expands_to_independent_samples(tmp_path):
 
 
 @pytest.mark.slow
-def test_compiled_decode_step_matches_eager(tmp_path):
+def test_compiled_decode_step_matches_eager_and_compiles_only_at_load(tmp_path):
+    """Loading compiles each block twice (one row, more rows: the warm-up runs batch 1 and 2); decoding
+    after it, at other batch sizes, cache lengths and positions (rings filling and wrapping), and
+    several requests in one step, compiles nothing more, and matches the eager model."""
+    from torch._dynamo.utils import counters
+
+    def graphs():
+        return counters["stats"]["unique_graphs"]
+
     raw, _, eager = build(tmp_path)
+    before = graphs()
     compiled = load_engine(tmp_path / "ckpt", compile=True)  # compiles and warms up at load
-    ids = torch.randint(0, 256, (3, 20), generator=torch.Generator().manual_seed(4))
-    caches = [e.model.new_cache(3, 24) for e in (eager, compiled)]
-    for e, c in zip((eager, compiled), caches):
-        e.model(ids[:, :6], pos=0, cache=c)
-    for p in range(6, 20):  # crosses the sliding window (8) so the ring buffers wrap
-        a = eager.model.decode(ids[:, p:p + 1], p, caches[0])
-        b = compiled.model.decode(ids[:, p:p + 1], p, caches[1])
+    assert graphs() - before == 4  # (attention, MLP) x (one row, more rows)
+    before = graphs()
+    ids = torch.randint(0, 256, (5, 20), generator=torch.Generator().manual_seed(4))
+
+    def prefilled(batch, length, n):
+        caches = [e.model.new_cache(batch, length) for e in (eager, compiled)]
+        with torch.inference_mode():  # as the engine runs a prefill
+            for e, c in zip((eager, compiled), caches):
+                e.model(ids[:batch, :n], pos=0, cache=c)
+        return caches
+
+    for batch, length in ((3, 24), (5, 20), (1, 30)):
+        caches = prefilled(batch, length, 6)
+        for p in range(6, 20):  # crosses the sliding window (8) so the ring buffers wrap
+            a = eager.model.decode(ids[:batch, p:p + 1], p, caches[0])
+            b = compiled.model.decode(ids[:batch, p:p + 1], p, caches[1])
+            assert (a - b).abs().max() <= 1e-4 * a.abs().max()
+    # separate requests in one step, each at its own position (the scheduler's batches)
+    first, second = prefilled(2, 24, 5), prefilled(1, 16, 9)
+    for step in range(4):
+        rows = ids[:3, 10 + step:11 + step]
+        a, b = (e.model.decode_groups(rows, [(5 + step, c1), (9 + step, c2)])
+                for e, c1, c2 in zip((eager, compiled), first, second))
         assert (a - b).abs().max() <= 1e-4 * a.abs().max()
+    # the engine's own path: a prompt prefilled once, its cache copied for 3 samples
+    steps = []
+    for e in (eager, compiled):
+        e.runner.prefill(ids[:1, :7], 3, 16)
+        steps.append([e.runner.decode_step(ids[:3, p:p + 1], p) for p in range(7, 12)])
+    for a, b in zip(*steps):
+        assert (a - b).abs().max() <= 1e-4 * a.abs().max()
+    assert graphs() == before, "decoding after the warm-up compiled again"
 
 
 def test_per_layer_broadcast_flags_of_the_newer_revision(tmp_path):
