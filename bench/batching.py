@@ -79,7 +79,9 @@ async def timed_request(client: EngineClient, body: dict) -> dict:
 
 def long_prompt_joins(engine, prompt_tokens: int = 1500) -> dict:
     """Three requests decode; a long prompt arrives: their time between tokens while it is prefilled,
-    against their ms/token alone and one prefill chunk's time (the longest of that prompt's chunks)."""
+    against their ms/token alone and one prefill chunk's time (the longest of that prompt's chunks).
+    Speculation is off in these requests: a verify hands over several tokens at once, which is not the
+    gap this measures."""
     from laneplay.bench.load import percentile
 
     long_ids = engine.tokenizer.encode(_code(200))[:prompt_tokens]
@@ -95,11 +97,13 @@ def long_prompt_joins(engine, prompt_tokens: int = 1500) -> dict:
 
     async def go(url):
         async with engine_client(url) as http:
-            alone = await timed_request(http, {"prompt": PROMPTS[0], "max_tokens": 96})
-            runners = [asyncio.create_task(timed_request(http, {"prompt": PROMPTS[i], "max_tokens": 256})) for i in range(3)]
+            plain = {"laneplay": {"speculative": "off"}}
+            alone = await timed_request(http, {"prompt": PROMPTS[0], "max_tokens": 96, **plain})
+            runners = [asyncio.create_task(timed_request(http, {"prompt": PROMPTS[i], "max_tokens": 256, **plain}))
+                       for i in range(3)]
             await asyncio.sleep(1.0)
             t_join = time.perf_counter()
-            joiner = await timed_request(http, {"prompt": long_ids, "max_tokens": 8})
+            joiner = await timed_request(http, {"prompt": long_ids, "max_tokens": 8, **plain})
             t_joined = time.perf_counter()
             three = await asyncio.gather(*runners)
             return alone, three, joiner, t_join, t_joined

@@ -88,8 +88,13 @@ class Sequence:
         self.tokens = last.view(self.n, 1)
         return events
 
-    def drafts(self) -> list[int]:
-        """This step's prompt-lookup drafts (empty: it takes a plain row of the shared step)."""
+    def drafts(self, shared: bool = False) -> list[int]:
+        """This step's prompt-lookup drafts (empty: it takes a plain row of the shared step). shared: other
+        requests decode in this step; then "auto" takes a plain row, since a verify runs as a forward of
+        its own (~2-5 steps' cost) while a row of the shared step costs a fraction of one ("lookup"
+        always drafts). Greedy tokens are the same either way."""
+        if shared and self.spec.mode == "auto":
+            return []
         return self.spec.drafts(room(self.spec, self.produced, self.params.max_tokens, self.cache))
 
     def verify(self, drafts: list[int]) -> list[GenerationEvent]:
@@ -119,8 +124,9 @@ class Sequence:
 def decode_step(runner, seqs: list[Sequence]) -> list[list[GenerationEvent]]:
     """One step for every (decoding) sequence; each sequence's events. A sequence with prompt-lookup
     drafts this step runs its verify as its own forward (its drafts, its position); every other row gets
-    one token in one shared forward. Either way a sequence's tokens are the ones it gets alone."""
-    drafts = {id(s): s.drafts() for s in seqs}
+    one token in one shared forward. Either way a sequence's tokens are the ones it gets alone. While
+    several requests decode, "auto" requests take plain rows (`Sequence.drafts`)."""
+    drafts = {id(s): s.drafts(shared=len(seqs) > 1) for s in seqs}
     plain = [s for s in seqs if not drafts[id(s)]]
     events: dict[int, list[GenerationEvent]] = {}
     if plain:

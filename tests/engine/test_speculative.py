@@ -342,6 +342,36 @@ def test_speculating_rows_in_a_batch_get_the_tokens_they_get_alone(int4_default)
     assert jobs[2].finals[0].speculative == "off" and jobs[3].finals[0].draft_tokens == 0
 
 
+def test_auto_takes_plain_rows_while_other_requests_share_the_step(int4_default):
+    """A verify is a forward of its own; beside other requests "auto" takes a row of the shared step
+    instead (same greedy tokens), while "lookup" keeps drafting."""
+    import asyncio
+
+    from laneplay.engine.scheduler import Scheduler
+    from tests.engine.test_batching import _collect
+
+    eng = int4_default
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    alone = run(eng, EDIT, params, "auto")
+
+    async def main(modes):
+        sched = Scheduler(eng)
+        sched.start()
+        try:
+            ids, p = eng.prepare(EDIT, params)
+            jobs = [sched.submit(ids, p, speculative=m) for m in modes]
+            return jobs, await asyncio.gather(*(_collect(j) for j in jobs))
+        finally:
+            sched.close()
+
+    jobs, results = asyncio.run(main(["auto", "auto", "auto"]))
+    assert all(toks == {0: alone[0]} for toks, _ in results)
+    assert alone[1].draft_tokens > 0
+    assert all(j.finals[0].draft_tokens < alone[1].draft_tokens for j in jobs)  # drafts only while alone
+    jobs, results = asyncio.run(main(["lookup", "auto"]))
+    assert results[0][0] == {0: alone[0]} and jobs[0].finals[0].draft_tokens > 0
+
+
 def test_a_kept_draft_that_ends_the_request_ends_the_verify_and_the_counts_add_up():
     spec = Speculation("lookup", [1, 2, 3], SamplingParams(temperature=0.0))
     drafts = [5, 2, 7]  # 2 is end-of-sequence
