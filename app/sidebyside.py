@@ -5,8 +5,8 @@ The prompt is the Playground's (editor, instruction, mode). Generate sends one r
 prefill and decode together, and each streamed choice goes to its column by its `index`. A column may
 put prompt-lookup speculation on (its checkbox); the engine never speculates a request of several
 samples, so a run with such a column sends one request per column instead, each with its own
-`"laneplay": {"speculative": "auto" | "off"}` (the engine still decodes them together, step by step; "auto"
-speculates greedy requests only). A server without the extension (no `laneplay` field) gets one
+speculation (`with_column_speculation`: "lookup" for a greedy column, which drafts even beside the other
+columns, "auto" for a sampled one, "off"; the engine still decodes them together, step by step). A server without the extension (no `laneplay` field) gets one
 concurrent plain request per column. Every column has the Playground's meter (the same data-* attributes,
 the speculation counts included), "Use this" (its code into the editor) and "Run tests" (its code against
 the user's assert-style tests, in the sandbox). The aggregate line sets the run's tokens/s over all
@@ -101,15 +101,24 @@ def engine_requests(ours: bool, mode: str, code: str, instruction: str, shared: 
     """What Generate sends, as (column, body, chat?). `ours`: the server has our extensions (`samples`,
     `laneplay`); `speculative`: each column's speculation checkbox. Ours and no column speculating: the one
     batch request (column None). Ours and a column speculating: one request per column, each saying
-    "auto" or "off" (a request of several samples never speculates). Not ours: one plain request per
+    its own speculation (`with_column_speculation`; a request of several samples never speculates). Not ours: one plain request per
     column (its speculation is the server's business)."""
     if not ours:
         return [(i, body, chat) for i, (body, chat) in
                 enumerate(column_requests(mode, code, instruction, shared, columns))]
     if not per_column(speculative):
         return [(None, *batch_request(mode, code, instruction, shared, columns))]
-    return [(i, playground.with_speculation(body, bool(speculative[i]) if i < len(speculative) else False), chat)
+    return [(i, with_column_speculation(body, bool(speculative[i]) if i < len(speculative) else False), chat)
             for i, (body, chat) in enumerate(column_requests(mode, code, instruction, shared, columns))]
+
+
+def with_column_speculation(body: dict, on: bool) -> dict:
+    """A column's speculation: "lookup" for a greedy column (it drafts even while the other columns share
+    the engine's steps, where "auto" would take plain rows; greedy keeps its tokens either way), "auto" for
+    a sampled one (which then runs plain: "auto" speculates greedy requests only), or "off"."""
+    greedy = float(body.get("temperature", 1.0)) < 1e-5 or body.get("top_k") == 1  # as the engine decides
+    mode = ("lookup" if greedy else "auto") if on else "off"
+    return {**body, "laneplay": {**body.get("laneplay", {}), "speculative": mode}}
 
 
 def per_column(speculative: list[bool] | None) -> bool:

@@ -67,7 +67,8 @@ def test_a_speculating_column_makes_one_request_per_column_each_with_its_own_spe
         assert (col, body, chat) == engine_requests(True, "chat", "", "Write add.", shared, cols)[0]
     sent = engine_requests(True, "chat", "def add(a, b):\n", "Write add.", shared, cols, [True, False, True])
     assert [col for col, _, _ in sent] == [0, 1, 2]
-    assert [b["laneplay"] for _, b, _ in sent] == [{"speculative": "auto"}, {"speculative": "off"},
+    # greedy and on: "lookup" (it drafts beside the other columns); sampled and on: "auto" (runs plain)
+    assert [b["laneplay"] for _, b, _ in sent] == [{"speculative": "lookup"}, {"speculative": "off"},
                                                     {"speculative": "auto"}]
     plain = column_requests("chat", "def add(a, b):\n", "Write add.", shared, cols)
     for (_, body, chat), (want, want_chat) in zip(sent, plain):  # each column's own sampling settings and seed
@@ -241,9 +242,9 @@ SPEC_COUNTS = {"draft_tokens": 2, "accepted_tokens": 1, "decode_steps": 1}  # 3 
 
 
 async def ours_alone(body):
-    """Our server's answer to a request of one sample with a "laneplay" object: "auto" on a greedy request
+    """Our server's answer to a request of one sample with a "laneplay" object: "auto" or "lookup" on a greedy request
     speculates (live counts, then the final ones in its timing); anything else decodes one token a step."""
-    spec = body["laneplay"]["speculative"] == "auto" and body.get("temperature") == 0.0
+    spec = body["laneplay"]["speculative"] in ("auto", "lookup") and body.get("temperature") == 0.0
     yield ": laneplay running\n\n"
     for k in range(3):
         await asyncio.sleep(0.01)
@@ -347,8 +348,8 @@ def test_per_column_requests_stream_each_column_with_its_own_speculation_counts(
     shared, cols = settings(2, [0, 0], [1, 1], [0, 0], [0, 1], 3, "")
     engine.app.state.bodies.clear()
     b = run_batch(engine, engine_requests(True, "chat", "", "Write add.", shared, cols, [True, False]), 2)
-    assert [x["laneplay"] for x in engine.app.state.bodies] in ([{"speculative": "auto"}, {"speculative": "off"}],
-                                                                 [{"speculative": "off"}, {"speculative": "auto"}])
+    assert [x["laneplay"] for x in engine.app.state.bodies] in ([{"speculative": "lookup"}, {"speculative": "off"}],
+                                                                 [{"speculative": "off"}, {"speculative": "lookup"}])
     assert b.finish() is None and b.timing is None  # two requests: no one record of the run
     assert [c.text for c in b.columns] == ["S0.0 S0.1 S0.2 ", "S1.0 S1.1 S1.2 "]
     on, off = (c.meter for c in b.columns)

@@ -158,7 +158,7 @@ def engine_counts(server) -> dict:
     its tokens alone (the controller reads no clock), so its counts are the column's."""
     shared, cols = settings(2, [0, 0], [1, 1], [0, 0], [0, 1], SPEC_TOKENS, "")
     (col, body, chat), _ = engine_requests(True, "chat", SPEC_CODE, SPEC_INSTRUCTION, shared, cols, [True, False])
-    assert col == 0 and body["laneplay"] == {"speculative": "auto"} and chat
+    assert col == 0 and body["laneplay"] == {"speculative": "lookup"} and chat
     req = urllib.request.Request(server.status()["url"] + "/v1/chat/completions",
                                  data=json.dumps(with_logprobs(body, chat)).encode(),
                                  headers={"Content-Type": "application/json"})
