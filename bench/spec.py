@@ -109,16 +109,14 @@ def _run(engine, prompt, chat: bool, tokens: int, mode: str):
     return ids, final
 
 
-def _parting_gap(engine, prompt, chat: bool, a: list[int], b: list[int]) -> dict | None:
+def _parting_gap(engine, prompt_ids: list[int], a: list[int], b: list[int]) -> dict | None:
     """Where two greedy runs part, and the top-2 logit gap of the plain run's logits there."""
     import torch
 
     n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
     if n is None:
         return None if len(a) == len(b) else {"token": min(len(a), len(b)), "top2_gap": None}
-    ids = (engine.tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat
-           else engine.tokenizer.encode(prompt)) + a[:n]
-    top2 = engine.logits(torch.tensor([ids]))[0, -1].topk(2).values
+    top2 = engine.logits(torch.tensor([prompt_ids + a[:n]]))[0, -1].topk(2).values
     return {"token": n, "top2_gap": float(top2[0] - top2[1])}
 
 
@@ -186,7 +184,7 @@ def measure(engine, corpus, chat: bool, tokens: int, costs: list[float] | None =
                "same_tokens": on_ids == off_ids, "hindsight": hindsight(prompt_ids, off_ids, costs) if costs else None}
         row["speedup"] = row["on_tps"] / row["off_tps"] if row["on_tps"] and row["off_tps"] else None
         if not row["same_tokens"]:
-            row["parting"] = _parting_gap(engine, prompt, chat, off_ids, on_ids)
+            row["parting"] = _parting_gap(engine, prompt_ids, off_ids, on_ids)
         rows.append(row)
         print(f"  {kind:11s} {i:3d}: {row['tokens']:4d} tokens, off {row['off_tps'] or 0:6.1f} tok/s, "
               f"auto {row['on_tps'] or 0:6.1f} tok/s, accepted {row['accepted_tokens']}/{row['draft_tokens']}"

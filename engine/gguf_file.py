@@ -19,9 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
-          12: "<f8"}
+# metadata value type -> its little-endian layout (struct format characters)
+_NUMBERS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 _PLAIN = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16, "I32": np.int32,
           "I64": np.int64}
@@ -58,17 +57,18 @@ class _Cursor:
         return s
 
     def value(self, kind: int):
-        if kind in _SCALARS:
-            return self.take(_SCALARS[kind])
+        if kind in _NUMBERS:
+            return self.take(_NUMBERS[kind])
         if kind == _STRING:
             return self.string()
         if kind == _ARRAY:
             inner, n = self.take("<I"), self.take("<Q")
-            if inner in _NUMPY:  # numbers in one NumPy read
-                size = np.dtype(_NUMPY[inner]).itemsize * n
+            if inner in _NUMBERS:  # numbers in one NumPy read
+                dtype = np.dtype(_NUMBERS[inner])  # NumPy reads struct's format characters
+                size = dtype.itemsize * n
                 if self.pos + size > len(self.buf):
                     raise GGUFError(f"an array of {n} values runs past the end of the file at byte {self.pos}")
-                out = np.frombuffer(self.buf, dtype=_NUMPY[inner], count=n, offset=self.pos).tolist()
+                out = np.frombuffer(self.buf, dtype=dtype, count=n, offset=self.pos).tolist()
                 self.pos += size
                 return out
             if inner == _STRING:

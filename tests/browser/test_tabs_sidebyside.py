@@ -51,17 +51,24 @@ def result(page, column: int) -> str:
     return page.get_attribute(f"#sbs-result-{column}", "data-status")
 
 
-def test_three_columns_stream_as_one_batch_then_test_use_and_share(server, new_context):
+def open_side_by_side(server, new_context, code: str, instruction: str, shows: str, columns: int):
+    """A fresh browser on the Playground with this code and instruction, then the Side by side tab (once
+    its prompt line shows `shows`) set to `columns` columns."""
     ctx, rec = new_context()
     page = ctx.new_page()
     page.goto(server.url + "/")
     page.wait_for_selector("#meter")
     server.wait_ready()
-    page.locator("#code .cm-content").fill(CODE)
-    page.locator("#instruction textarea").fill(INSTRUCTION)
+    page.locator("#code .cm-content").fill(code)
+    page.locator("#instruction textarea").fill(instruction)
     page.get_by_role("tab", name="Side by side").click()
-    page.wait_for_function("() => (document.querySelector('#sbs-prompt')?.innerText || '').includes('add(a, b)')")
-    page.locator("#sbs-columns label").filter(has_text=re.compile(r"^\s*3\s*$")).click()
+    page.wait_for_function("s => (document.querySelector('#sbs-prompt')?.innerText || '').includes(s)", arg=shows)
+    page.locator("#sbs-columns label").filter(has_text=re.compile(rf"^\s*{columns}\s*$")).click()
+    return ctx, rec, page
+
+
+def test_three_columns_stream_as_one_batch_then_test_use_and_share(server, new_context):
+    ctx, rec, page = open_side_by_side(server, new_context, CODE, INSTRUCTION, "add(a, b)", 3)
     assert page.locator("#sbs-col-3").is_hidden() and page.locator("#sbs-col-2").is_visible()
     choose_preset(page, 1, "T=0.8")  # column 0 stays greedy (its default)
     choose_preset(page, 2, "T=1.2")
@@ -167,16 +174,7 @@ def engine_counts(server) -> dict:
 
 
 def test_two_greedy_columns_with_speculation_on_and_off_give_the_same_text(server, new_context):
-    ctx, rec = new_context()
-    page = ctx.new_page()
-    page.goto(server.url + "/")
-    page.wait_for_selector("#meter")
-    server.wait_ready()
-    page.locator("#code .cm-content").fill(SPEC_CODE)
-    page.locator("#instruction textarea").fill(SPEC_INSTRUCTION)
-    page.get_by_role("tab", name="Side by side").click()
-    page.wait_for_function("() => (document.querySelector('#sbs-prompt')?.innerText || '').includes('get_alpha')")
-    page.locator("#sbs-columns label").filter(has_text=re.compile(r"^\s*2\s*$")).click()
+    ctx, rec, page = open_side_by_side(server, new_context, SPEC_CODE, SPEC_INSTRUCTION, "get_alpha", 2)
     page.locator("#sbs-col-2").wait_for(state="hidden")
     choose_preset(page, 1, "greedy")  # column 0 is greedy already: both are now the same request
     assert [page.input_value(f"#sbs-{k}-{i} input") for i in (0, 1) for k in ("temp", "top-p", "top-k")] == \
