@@ -19,6 +19,9 @@ from laneplay.engine.model import request_kv_bytes
 from laneplay.engine.sampling import RowSampler, SamplingParams, sample_seeds
 from laneplay.engine.speculative import plan as plan_speculation
 from laneplay.engine.speculative import room
+from laneplay.kernels.lowbit import ACT16_MAX_ROWS
+
+STEP_ROWS = ACT16_MAX_ROWS  # the most rows a shared step takes: every row's logits stay a decode step's
 
 
 def kv_need(engine, ids: list[int], params: SamplingParams) -> int:
@@ -89,25 +92,41 @@ class Sequence:
         return events
 
     def drafts(self, shared: bool = False) -> list[int]:
-        """This step's prompt-lookup drafts (empty: it takes a plain row of the shared step). shared: other
-        requests decode in this step; then "auto" takes a plain row, since a verify runs as a forward of
-        its own (~2-5 steps' cost) while a row of the shared step costs a fraction of one ("lookup"
-        always drafts). Greedy tokens are the same either way."""
+        """This step's prompt-lookup drafts (empty: it takes a plain row). shared: other requests decode in
+        this step; then "auto" takes a plain row ("lookup" always drafts). Draft rows pay where a step
+        waits on memory, as a request alone does; beside other requests the step is arithmetic-bound and
+        a draft row costs what it saves: four requests of 128 greedy tokens on the embedded default (int4,
+        2 cores) drafting beside each other kept 91% of their drafts and still finished no sooner than
+        with plain rows. Greedy tokens are the same either way."""
         if shared and self.spec.mode == "auto":
             return []
         return self.spec.drafts(room(self.spec, self.produced, self.params.max_tokens, self.cache))
 
-    def verify(self, drafts: list[int]) -> list[GenerationEvent]:
-        """The speculating step: its last token and drafts in one forward of its own; keeps what the model
-        agrees with (engine/speculative.py) and rolls back the rest of the cache."""
-        logits, rewind = self.runner.verify(torch.cat([self.tokens.view(1, 1), torch.tensor(
-            [drafts], device=self.runner.device)], dim=1), self.pos, self.cache)
-        out = self.spec.accept(logits[0], drafts, self.sampler.generators[0],
+    def joins(self, drafts: list[int]) -> bool:
+        """Whether the verify of these drafts may run as rows of a shared step."""
+        joins = getattr(self.runner, "verify_joins", None)
+        return bool(drafts) and joins is not None and joins(self.pos, 1 + len(drafts), self.cache)
+
+    def verify_tokens(self, drafts: list[int]):
+        """The verify's rows: its last token, then the drafts ([1 + k, 1] on the runner's device)."""
+        return torch.cat([self.tokens.view(1), torch.tensor(drafts, device=self.runner.device)]).view(-1, 1)
+
+    def verify(self, drafts: list[int], logits=None) -> list[GenerationEvent]:
+        """The speculating step: keeps the drafts the model agrees with (engine/speculative.py). logits: the
+        verify's rows [1 + k, V] when it ran inside a shared step (`joins`: nothing was overwritten, so
+        nothing rolls back); else its last token and drafts run as one forward of its own, which rolls back
+        what it does not keep."""
+        rewind = None
+        if logits is None:
+            logits, rewind = self.runner.verify(self.verify_tokens(drafts).view(1, -1), self.pos, self.cache)
+            logits = logits[0]
+        out = self.spec.accept(logits, drafts, self.sampler.generators[0],
                               () if self.params.ignore_eos else self.eos_ids)
-        rewind.keep(len(out))
+        if rewind is not None:
+            rewind.keep(len(out))
         self.pos += len(out)
         self.spec.steps += 1
-        return self._feed([[t] for t in out], self.sampler.position_logprobs(logits[0], out))
+        return self._feed([[t] for t in out], self.sampler.position_logprobs(logits, out))
 
     def cancel(self) -> list[GenerationEvent]:
         """Stopped from outside (client gone, Stop, time limit): close the open samples as "cancelled"."""
@@ -122,25 +141,59 @@ class Sequence:
 
 
 def decode_step(runner, seqs: list[Sequence]) -> list[list[GenerationEvent]]:
-    """One step for every (decoding) sequence; each sequence's events. A sequence with prompt-lookup
-    drafts this step runs its verify as its own forward (its drafts, its position); every other row gets
-    one token in one shared forward. Either way a sequence's tokens are the ones it gets alone. While
-    several requests decode, "auto" requests take plain rows (`Sequence.drafts`)."""
-    drafts = {id(s): s.drafts(shared=len(seqs) > 1) for s in seqs}
-    plain = [s for s in seqs if not drafts[id(s)]]
-    events: dict[int, list[GenerationEvent]] = {}
-    if plain:
-        tokens = torch.cat([s.tokens for s in plain]) if len(plain) > 1 else plain[0].tokens
-        logits = runner.decode_groups(tokens, [(s.pos, s.cache) for s in plain])
+    """One step for every (decoding) sequence; each sequence's events. Every plain row gets one token and
+    every verify that can join (`Sequence.joins`) checks its drafts, in one shared forward
+    (`decode_groups`: a verify of k drafts is k + 1 one-token groups at consecutive positions of its
+    cache); a verify that cannot join runs as a forward of its own. Either way a sequence's tokens are
+    the ones it gets alone. A shared step takes at most STEP_ROWS rows: the drafts share what the
+    requests' own rows leave, the first draft of each request before anyone's second (`share_rows`)."""
+    shared = len(seqs) > 1
+    drafts = [s.drafts(shared) for s in seqs]
+    joined = [s.joins(d) for s, d in zip(seqs, drafts)]
+    if shared:
+        free = STEP_ROWS - sum(s.n for s in seqs)
+        for i, k in enumerate(share_rows([len(d) if j else 0 for d, j in zip(drafts, joined)], free)):
+            if joined[i]:
+                drafts[i] = drafts[i][:k]
+                joined[i] = k > 0
+    events: list = [None] * len(seqs)
+    step = [i for i, (d, j) in enumerate(zip(drafts, joined)) if j or not d]
+    if step:
+        parts, groups = [], []
+        for i in step:
+            s = seqs[i]
+            if joined[i]:
+                parts.append(s.verify_tokens(drafts[i]))
+                groups += [(s.pos + j, s.cache) for j in range(1 + len(drafts[i]))]
+            else:
+                parts.append(s.tokens)
+                groups.append((s.pos, s.cache))
+        logits = runner.decode_groups(torch.cat(parts) if len(parts) > 1 else parts[0], groups)
         a = 0
-        for s in plain:
-            s.pos += 1
-            events[id(s)] = s._take(logits[a:a + s.n])
-            a += s.n
-    for s in seqs:
-        if drafts[id(s)]:
-            events[id(s)] = s.verify(drafts[id(s)])
-    return [events[id(s)] for s in seqs]
+        for i, part in zip(step, parts):
+            s, rows = seqs[i], part.shape[0]
+            if joined[i]:
+                events[i] = s.verify(drafts[i], logits[a:a + rows])
+            else:
+                s.pos += 1
+                events[i] = s._take(logits[a:a + rows])
+            a += rows
+    for i, s in enumerate(seqs):
+        if events[i] is None:
+            events[i] = s.verify(drafts[i])
+    return events
+
+
+def share_rows(wants: list[int], free: int) -> list[int]:
+    """Rows for each request's drafts out of `free`: one draft each in turn (a first draft is the likeliest
+    to be kept), until every request has what it wants or nothing is left."""
+    got = [0] * len(wants)
+    while free > 0 and any(g < w for g, w in zip(got, wants)):
+        for i, w in enumerate(wants):
+            if got[i] < w and free > 0:
+                got[i] += 1
+                free -= 1
+    return got
 
 
 class PrefixCache:

@@ -688,10 +688,16 @@ class LaneModel(nn.Module):
             raise ValueError(f"a cache of {cache.batch} sequences cannot verify {B} rows")
         with torch.inference_mode():
             rewind = Rewind(cache, pos, S)
-            if self.fused_step is not None and B == 1 and pos + S <= min(cache.slots):
+            if self.verifies_as_groups(pos, S, cache):
                 logits = self.fused_step.groups(tokens.reshape(S, 1), [(pos + j, cache) for j in range(S)])
                 return logits.unsqueeze(0), rewind
             return self.head(self.hidden_states(tokens, pos, cache)), rewind
+
+    def verifies_as_groups(self, pos: int, S: int, cache: KVCache) -> bool:
+        """Whether a verify of S positions from pos runs as S one-token groups of the fused low-bit step
+        (`verify`), and so may join other requests' rows in one `decode_groups` call: one lane's fused
+        step, one sequence, and no ring buffer wrapping inside it (so nothing is overwritten)."""
+        return self.fused_step is not None and cache.batch == 1 and pos + S <= min(cache.slots)
 
     @torch.inference_mode()
     def decode_groups(self, tokens: Tensor, groups: list[tuple[int, KVCache]]) -> Tensor:

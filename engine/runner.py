@@ -108,6 +108,12 @@ class LocalRunner:
         steps = self.model.prefill_steps(x, n, max_seq_len, chunk=self.runtime.prefill_chunk, start=start, keep=keep)
         return steps, reused
 
+    def verify_joins(self, pos: int, S: int, cache) -> bool:
+        """Whether a verify of S positions from pos may run as S one-token groups of a `decode_groups` step,
+        beside other requests' rows, with each row's logits those of a decode step
+        (`LaneModel.verifies_as_groups`)."""
+        return self.model.verifies_as_groups(pos, S, cache)
+
     @torch.inference_mode()
     def decode_groups(self, tokens: Tensor, groups: list) -> Tensor:
         """One decode step for several requests: groups [(pos, cache)] -> logits [B, V]."""

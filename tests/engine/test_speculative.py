@@ -342,17 +342,35 @@ def test_speculating_rows_in_a_batch_get_the_tokens_they_get_alone(int4_default)
     assert jobs[2].finals[0].speculative == "off" and jobs[3].finals[0].draft_tokens == 0
 
 
-def test_auto_takes_plain_rows_while_other_requests_share_the_step(int4_default):
-    """A verify is a forward of its own; beside other requests "auto" takes a row of the shared step
-    instead (same greedy tokens), while "lookup" keeps drafting."""
+def test_verifies_join_the_shared_step_and_auto_takes_plain_rows_beside_others(int4_default, monkeypatch):
+    """On the fused low-bit path a verify's rows join the other requests' rows in one forward (at most
+    STEP_ROWS in all) and give the tokens they give alone; where a verify cannot join it runs as a forward
+    of its own. Beside other requests "auto" takes plain rows (same greedy tokens), "lookup" drafts."""
     import asyncio
 
+    from laneplay.engine.batch import STEP_ROWS, share_rows
     from laneplay.engine.scheduler import Scheduler
     from tests.engine.test_batching import _collect
 
     eng = int4_default
+    runner = eng.runner
     params = SamplingParams(max_tokens=40, temperature=0.0)
     alone = run(eng, EDIT, params, "auto")
+    assert alone[1].draft_tokens > 0
+
+    calls = {"groups": [], "verify": 0}
+    decode_groups, verify = runner.decode_groups, runner.verify
+
+    def counted_groups(tokens, groups):
+        calls["groups"].append((tokens.shape[0], len({id(c) for _, c in groups})))
+        return decode_groups(tokens, groups)
+
+    def counted_verify(*a, **k):
+        calls["verify"] += 1
+        return verify(*a, **k)
+
+    monkeypatch.setattr(runner, "decode_groups", counted_groups)
+    monkeypatch.setattr(runner, "verify", counted_verify)
 
     async def main(modes):
         sched = Scheduler(eng)
@@ -364,12 +382,23 @@ def test_auto_takes_plain_rows_while_other_requests_share_the_step(int4_default)
         finally:
             sched.close()
 
+    jobs, results = asyncio.run(main(["lookup", "lookup", "lookup"]))
+    assert all(toks == {0: alone[0]} for toks, _ in results)
+    assert all(j.finals[0].accepted_tokens > 0 and j.rows_per_step > 1 for j in jobs)  # drafted, beside others
+    assert calls["verify"] == 0 and all(rows <= STEP_ROWS for rows, _ in calls["groups"])
+    assert any(rows > caches > 1 for rows, caches in calls["groups"])  # verify rows and others in one forward
+
     jobs, results = asyncio.run(main(["auto", "auto", "auto"]))
     assert all(toks == {0: alone[0]} for toks, _ in results)
-    assert alone[1].draft_tokens > 0
     assert all(j.finals[0].draft_tokens < alone[1].draft_tokens for j in jobs)  # drafts only while alone
+
+    monkeypatch.setattr(runner, "verify_joins", lambda pos, S, cache: False)
     jobs, results = asyncio.run(main(["lookup", "auto"]))
-    assert results[0][0] == {0: alone[0]} and jobs[0].finals[0].draft_tokens > 0
+    assert all(toks == {0: alone[0]} for toks, _ in results)
+    assert jobs[0].finals[0].draft_tokens > 0 and calls["verify"] > 0  # a verify of its own
+
+    assert share_rows([5, 0, 2, 9], 6) == [2, 0, 2, 2] and share_rows([1, 1], 0) == [0, 0]
+    assert share_rows([3, 1], 10) == [3, 1]
 
 
 def test_a_kept_draft_that_ends_the_request_ends_the_verify_and_the_counts_add_up():
