@@ -97,9 +97,13 @@ run: venv sysdeps
 	$(VENV)/bin/laneplay serve
 
 # -P: the repository root is not on sys.path; tests import the installed `laneplay` package only.
-# The run ends with its 30 slowest tests. It writes nothing into the repository.
+# Two parts: everything but the browser tests on every core (pytest-xdist, a test file per worker at a
+# time, one torch thread per worker: OpenMP threads that spin on a shared core slow every worker), then
+# the browser tests, which share one app server and one browser and time what they see, alone. Each part
+# ends with its slowest tests. It writes nothing into the repository.
 test: venv sysdeps
-	$(PY) -P -m pytest --durations=30
+	OMP_NUM_THREADS=1 $(PY) -P -m pytest -n auto --dist loadfile --ignore=tests/browser --durations=20
+	$(PY) -P -m pytest tests/browser --durations=10
 
 # The README's screenshots (docs/screenshots/*.png), taken by the browser tests' own flows.
 screenshots: venv sysdeps

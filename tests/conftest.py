@@ -13,7 +13,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# One thread per xdist worker (the workers share the cores; OpenMP threads that spin on a shared core
+# slow everyone), else up to two.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
 BROWSER = Path(__file__).resolve().parent / "browser"
 
 
