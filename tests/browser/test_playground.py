@@ -271,12 +271,12 @@ def test_rename_and_delete_a_session_in_history(server, owner):
     assert len(gone) == len(before) - 1 and not any("Renamed in the browser test" in r for r in gone)
 
 
-def test_five_browsers_generate_together_and_each_meter_shows_its_wait(server, new_context):
-    """Five people press Generate at once: the engine batches them (up to 16 rows a step), so all five
+def test_four_browsers_generate_together_and_each_meter_shows_its_wait(server, new_context):
+    """Four people press Generate at once: the engine batches them (up to 16 rows a step), so all four
     meters run at the same time and all finish; each one's TTFT counts from its click (the wait for the
     engine included), with the engine's own TTFT and the wait beside it, and the meters say they shared
-    the engine. (Five, not more: on the 2-core test machine each page costs a few seconds of CPU to load.)"""
-    pages = [open_playground(new_context, server)[2] for _ in range(5)]
+    the engine. (Four, not more: on the 2-core test machine each page costs a few seconds of CPU to load.)"""
+    pages = [open_playground(new_context, server)[2] for _ in range(4)]
     server.wait_ready()
     for page in pages:
         wait_state(page, ["idle"], timeout=60)
@@ -302,6 +302,6 @@ def test_five_browsers_generate_together_and_each_meter_shows_its_wait(server, n
     assert all(f["state"] == "done" for f in finals), finals
     for f in finals:
         assert f["ttft"] >= f["engine"] + f["queue"] - 1, f  # the click's TTFT holds the wait and the engine's
-    assert sum(shared) >= 4, shared  # they ran in the same steps, and the meters said so while they ran
+    assert sum(shared) >= 3, shared  # they ran in the same steps, and the meters said so while they ran
     assert max(int(f["sharing"] or 0) for f in finals) >= 1, finals
     screenshot(pages[-1], "playground-shared")
