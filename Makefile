@@ -102,8 +102,9 @@ run: venv sysdeps
 # worker), then the browser tests, which share one app server and one browser and time what they see,
 # alone. A worker waits on its engines, servers and sockets much of the time, so one worker more than
 # there are cores keeps them busy (2 cores: 2 workers 309 s, 3 workers 234 s, 4 workers 288 s). Each
-# part ends with its slowest tests. It writes nothing into the repository.
-TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
+# part ends with its slowest tests. At most 4 workers: each holds models and servers of its own. It writes
+# nothing into the repository.
+TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n + 1 : 4 )))
 test: venv sysdeps
 	OMP_NUM_THREADS=1 $(PY) -P -m pytest -n $(TEST_WORKERS) --dist loadfile --ignore=tests/browser --durations=20
 	$(PY) -P -m pytest tests/browser --durations=10
