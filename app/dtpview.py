@@ -114,12 +114,14 @@ def _md_code(text: str) -> str:
 
 def ab_requests(mode: str, code: str, instruction: str, max_tokens: int) -> list[tuple[str, dict, bool]]:
     """(collectives, body, chat?) for the two runs: the same greedy request, delayed then wait-now. EOS is
-    ignored so both decode exactly `max_tokens` tokens."""
+    ignored so both decode exactly `max_tokens` tokens, and speculation is off, so every step of the
+    timelines is one token's decode step."""
     params = {"temperature": 0.0, "top_p": 1.0, "max_tokens": max_tokens, "ignore_eos": True}
     out = []
     for collectives, _, _ in MODES:
         body, chat = request_body(mode, code, instruction, params, None)
-        out.append((collectives, {**body, "laneplay": {"collectives": collectives, "timeline": True}}, chat))
+        out.append((collectives, {**body, "laneplay": {"collectives": collectives, "timeline": True,
+                                                        "speculative": "off"}}, chat))
     return out
 
 

@@ -51,6 +51,7 @@ from laneplay.engine.model import LaneModel
 from laneplay.engine.runner import LocalRunner
 from laneplay.engine.runtime import Runtime
 from laneplay.engine.sampling import RowSampler, SamplingParams
+from laneplay.engine.speculative import plan as plan_speculation
 from laneplay.processes import die_with_parent, free_port
 
 
@@ -176,6 +177,17 @@ class DistLanes:
         full = shards.movedim(0, -2).reshape(*padded.shape[:-1], self.world * per)[..., :V]
         return full, table[:, padded.numel():]
 
+    def verify_logits(self, local: Tensor) -> Tensor:
+        """A speculative verify's gather: every rank gets the whole logits [B, S, V] (so every rank keeps
+        the same drafts and rolls back the same positions); rank 0's stop flag rides along, as in `pick`."""
+        t0 = time.perf_counter()
+        flag = torch.tensor([1.0 if self.rank == 0 and self.stop_requested() else 0.0], device=local.device)
+        logits, flags = self.gather_logits(local, flag)
+        self.stopped = bool(flags.sum().item() > 0)
+        if self.record:
+            self._note_pick(t0)
+        return logits
+
     def agree_stop(self, should_stop) -> bool:
         """Between prefill chunks: rank 0 says whether the front asked to stop; every rank hears the same."""
         wanted = self.rank == 0 and (self.stop_requested() or (should_stop is not None and bool(should_stop())))
@@ -253,13 +265,18 @@ class Rank:
     def logits(self, ids) -> Tensor:
         return self.runner.logits(torch.tensor(ids, dtype=torch.long)).cpu()
 
-    def generate(self, rid, ids, params: SamplingParams, seeds, eos_ids):
+    def generate(self, rid, ids, params: SamplingParams, seeds, eos_ids, speculative: str = "off"):
+        """One request on this rank. speculative: every rank plans the same speculation and drafts, verifies
+        and keeps the same tokens (the verify's logits are gathered whole on every rank); rank 0 sends its
+        counts with every step's tokens, so the front's metrics say what ran."""
         self.request_id = rid
         self.comm.begin_request()
-        for host, t, logprobs in self.runner.token_steps(ids, params, seeds, eos_ids,
-                                                         should_stop=lambda: self.comm.stopped):
+        spec = plan_speculation(speculative, self.runner, ids, params)
+        steps = self.runner.token_steps(ids, params, seeds, eos_ids, should_stop=lambda: self.comm.stopped,
+                                        spec=spec if spec.active else None)
+        for host, t, logprobs in steps:
             if self.rank == 0:
-                self.conn.send(("tokens", rid, host, t, logprobs))
+                self.conn.send(("tokens", rid, host, t, logprobs, spec.counts()))
         timelines = None
         if self.comm.record:  # every rank's summary to rank 0 (all ranks leave the loop at the same step)
             timelines = [None] * self.comm.world if self.rank == 0 else None
@@ -352,8 +369,8 @@ def rank_main(rank: int, address: str, port: int, timeout_s: float, runtime: Run
                 if rank == 0:  # numpy pickles by value (torch tensors would go through fd sharing)
                     conn.send(("logits", out.numpy()))
             elif kind == "generate":  # params: asdict(SamplingParams); per-sample dicts are rebuilt by it
-                _, rid, ids, params, seeds, eos_ids = msg
-                here.generate(rid, ids, SamplingParams(**params), seeds, set(eos_ids))
+                _, rid, ids, params, seeds, eos_ids, speculative = msg
+                here.generate(rid, ids, SamplingParams(**params), seeds, set(eos_ids), speculative)
             # a "cancel" for a request that already ended needs nothing
     except (EOFError, KeyboardInterrupt, BrokenPipeError):
         pass  # the front went away: leave quietly
@@ -374,8 +391,11 @@ class DTPRunner:
 
     Rank 0 streams each step's tokens back; the ranks run the decode loop on their own (no per-token
     round trip through this process), so this runner's `token_steps` relays rank 0's stream and sends
-    a cancel when the consumer stops early.
+    a cancel when the consumer stops early. The ranks also run a request's prompt-lookup speculation
+    (`speculates`): drafts and verifies happen on every rank alike.
     """
+
+    speculates = True
 
     def __init__(self, path, runtime: Runtime, wait_now: bool = False, timeline: bool = False,
                  timeout_s: float = 60.0):
@@ -545,10 +565,12 @@ class DTPRunner:
         self._send(("logits", ids.tolist()))
         return torch.from_numpy(self._recv()[1])
 
-    def token_steps(self, ids, params, seeds, eos_ids, should_stop=None):
-        """Rank 0's (tokens, time, logprobs) stream for one request; stopping early cancels it on all ranks."""
+    def token_steps(self, ids, params, seeds, eos_ids, should_stop=None, spec=None):
+        """Rank 0's (tokens, time, logprobs) stream for one request; stopping early cancels it on all ranks.
+        spec: the request's `engine.speculative.Speculation`; the ranks run their own and rank 0's counts
+        are copied into it as the tokens come."""
         rid = next(self._ids)
-        self._send(("generate", rid, ids, asdict(params), seeds, sorted(eos_ids)))
+        self._send(("generate", rid, ids, asdict(params), seeds, sorted(eos_ids), spec.mode if spec else "off"))
         cancel_sent = finished = False
 
         def check_stop():  # also while the ranks are busy in a long prefill and nothing arrives
@@ -565,6 +587,8 @@ class DTPRunner:
                     self.last_timeline, finished = self._timeline(msg[2]), True
                     return
                 if msg[0] == "tokens" and msg[1] == rid:
+                    if spec is not None:
+                        spec.take_counts(msg[5])
                     yield msg[2], msg[3], msg[4]
         finally:
             if not finished and not self._failure:  # the consumer stopped early: stop the ranks too

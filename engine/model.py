@@ -242,6 +242,10 @@ class LocalLanes:
         """The head's output is already the whole vocabulary here."""
         return logits, None
 
+    def verify_logits(self, logits: Tensor) -> Tensor:
+        """A speculative verify's logits [B, S, V]: whole already."""
+        return logits
+
     def pick(self, logits: Tensor, sampler: RowSampler) -> Tensor:
         return sampler(logits)
 

@@ -69,9 +69,9 @@ class LocalRunner:
         """Speculative verification (`LaneModel.verify`): tokens [1, S] at positions pos.. over this
         request's cache (or `cache`) -> (logits [1, S, V], a rewind for the positions not kept)."""
         t0 = time.perf_counter()
-        out = self.model.verify(tokens, pos, self.cache if cache is None else cache)
+        logits, rewind = self.model.verify(tokens, pos, self.cache if cache is None else cache)
         self.comm.note_step(t0, time.perf_counter())
-        return out
+        return self.comm.verify_logits(logits), rewind  # on a DTP rank: every rank's shards, gathered
 
     @torch.inference_mode()
     def pick(self, logits: Tensor, sampler: RowSampler) -> Tensor:

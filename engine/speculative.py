@@ -144,6 +144,18 @@ class Speculation:
     def label(self) -> str:
         return "lookup" if self.active else "off"
 
+    COUNTS = ("active", "reason", "draft_tokens", "accepted_tokens", "verify_steps", "steps", "near_ties")
+
+    def counts(self) -> dict:
+        """Whether it ran (and why not) and its counts: what a DTP rank 0 sends the front with each step."""
+        return {k: getattr(self, k) for k in self.COUNTS}
+
+    def take_counts(self, counts: dict | None) -> None:
+        """The front's copy of the speculation the ranks ran (`counts`)."""
+        for k, v in (counts or {}).items():
+            if k in self.COUNTS:
+                setattr(self, k, v)
+
     def drafts(self, room: int) -> list[int]:
         """Drafts for the next step (empty: a plain step). room: how many more tokens the request may
         produce after the next one, and how many drafts the KV cache's rings can take back."""
@@ -223,11 +235,9 @@ def plan(mode: str, runner, ids: list[int], params: SamplingParams) -> Speculati
     mode = check_mode(mode)
     reason = None
     if mode != "off":
-        if getattr(runner, "world_size", 1) != 1:
-            reason = "DTP ranks: the verify step is not implemented across ranks"
-        elif getattr(runner, "static", None) is not None:
+        if getattr(runner, "static", None) is not None:
             reason = "the static (CUDA-graph) decode step has no verify graph"
-        elif not hasattr(runner, "verify"):
+        elif not (hasattr(runner, "verify") or getattr(runner, "speculates", False)):
             reason = "this runner has no verify step"
     return Speculation(mode, ids, params, reason)
 

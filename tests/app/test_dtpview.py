@@ -41,8 +41,8 @@ def test_ab_is_the_same_greedy_request_with_each_collectives():
     (_, a, chat_a), (_, b, chat_b) = reqs
     assert not chat_a and not chat_b and a["prompt"] == b["prompt"] == "def f(x):\n"
     assert a["temperature"] == 0 and a["max_tokens"] == 64 and a["ignore_eos"] is True
-    assert a["laneplay"] == {"collectives": "delayed", "timeline": True}
-    assert b["laneplay"] == {"collectives": "wait_now", "timeline": True}
+    assert a["laneplay"] == {"collectives": "delayed", "timeline": True, "speculative": "off"}  # a token per step
+    assert b["laneplay"] == {"collectives": "wait_now", "timeline": True, "speculative": "off"}
     assert {k: v for k, v in a.items() if k != "laneplay"} == {k: v for k, v in b.items() if k != "laneplay"}
 
 

@@ -151,3 +151,31 @@ def test_stop_string_cancels_all_ranks_and_the_engine_stays_usable(cluster, chec
     next(events)
     events.close()  # the consumer walks away mid-request
     assert collect(eng, max_tokens=8)[1] == ref_greedy
+
+
+def _run(eng, prompt, params, speculative):
+    tokens, final = [], None
+    for ev in eng.generate(prompt, params, speculative=speculative):
+        tokens += ev.token_ids
+        final = ev.metrics if ev.finish_reason else final
+    return tokens, final
+
+
+@pytest.mark.parametrize("name", ["d1-late", "vocab-parallel"])  # at world size 8 vocab-parallel only (WORLD8)
+def test_ranks_speculate_alike_and_keep_the_single_process_tokens(cluster, checkpoints, name):
+    """Prompt lookup across ranks: every rank drafts, verifies (the verify's logits gathered whole on every
+    rank), keeps the same tokens and rolls back the same positions; the front's metrics carry rank 0's
+    counts. (These random models repeat themselves a little: 48 greedy tokens keep a few drafts.)"""
+    path = checkpoints[name][0]
+    eng = reload(cluster, path)
+    single = load_engine(path, compile=False)
+    prompt = PROMPT * 4
+    greedy = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    want, _ = _run(single, prompt, greedy, "off")
+    got, m = _run(eng, prompt, greedy, "lookup")
+    assert got == want
+    assert m.speculative == "lookup" and m.accepted_tokens > 0 and m.draft_tokens > m.accepted_tokens  # kept, rolled back
+    assert m.decode_steps + m.accepted_tokens == len(got) - 1
+    sampled = SamplingParams(max_tokens=16, temperature=0.8, seed=5, ignore_eos=True)
+    got, m = _run(eng, prompt, sampled, "lookup")
+    assert got == _run(single, prompt, sampled, "lookup")[0] and m.draft_tokens > 0  # the ranks draw alike

@@ -100,10 +100,18 @@ def test_modes_are_checked_and_off_says_why():
     with pytest.raises(ValueError, match="speculative must be one of auto, off, lookup"):
         check_mode("fast")
 
-    class Ranks:
-        world_size = 2
+    class NoVerify:
+        world_size = 1
 
-    assert plan("auto", Ranks(), [1, 2], SamplingParams()).reason.startswith("DTP")
+    class Ranks:  # a DTP front: the ranks verify
+        world_size, speculates = 2, True
+
+    class Static:
+        world_size, static, verify = 1, object(), None
+
+    assert plan("auto", NoVerify(), [1, 2], SamplingParams()).reason == "this runner has no verify step"
+    assert plan("auto", Ranks(), [1, 2], SamplingParams(temperature=0.0)).active
+    assert "static" in plan("auto", Static(), [1, 2], SamplingParams(temperature=0.0)).reason
     assert not plan("off", Ranks(), [1, 2], SamplingParams()).active
     assert "n > 1" in Speculation("lookup", [1, 2], SamplingParams(n=2, temperature=1.0)).reason
 
