@@ -102,11 +102,13 @@ run: venv sysdeps
 # worker), then the browser tests, which share one app server and one browser and time what they see,
 # alone. A worker waits on its engines, servers and sockets much of the time, so one worker more than
 # there are cores keeps them busy (2 cores: 2 workers 309 s, 3 workers 234 s, 4 workers 288 s). Each
-# part ends with its slowest tests. At most 4 workers: each holds models and servers of its own. It writes
-# nothing into the repository.
+# part ends with its slowest tests. At most 4 workers: each holds models and servers of its own. Tests that
+# ask for more threads get OpenMP threads that sleep rather than spin while they wait, and torch.compile
+# compiles in the worker itself, not in a pool of its own. It writes nothing into the repository.
 TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n + 1 : 4 )))
+PARALLEL_ENV := OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE TORCHINDUCTOR_COMPILE_THREADS=1
 test: venv sysdeps
-	OMP_NUM_THREADS=1 $(PY) -P -m pytest -n $(TEST_WORKERS) --dist loadfile --ignore=tests/browser --durations=20
+	$(PARALLEL_ENV) $(PY) -P -m pytest -n $(TEST_WORKERS) --dist loadfile --ignore=tests/browser --durations=20
 	$(PY) -P -m pytest tests/browser --durations=10
 
 # The README's screenshots (docs/screenshots/*.png), taken by the browser tests' own flows.
