@@ -97,14 +97,14 @@ run: venv sysdeps
 	$(VENV)/bin/laneplay serve
 
 # -P: the repository root is not on sys.path; tests import the installed `laneplay` package only.
-# Two parts: everything but the browser tests in TEST_WORKERS processes (pytest-xdist, a test file per
-# worker at a time, one torch thread per worker: OpenMP threads that spin on a shared core slow every
-# worker), then the browser tests, which share one app server and one browser and time what they see,
-# alone. A worker waits on its engines, servers and sockets much of the time, so one worker more than
-# there are cores keeps them busy (2 cores: 2 workers 309 s, 3 workers 234 s, 4 workers 288 s). Each
-# part ends with its slowest tests. At most 4 workers: each holds models and servers of its own. Tests that
-# ask for more threads get OpenMP threads that sleep rather than spin while they wait, and torch.compile
-# compiles in the worker itself, not in a pool of its own. It writes nothing into the repository.
+# Two parts. First everything but the browser tests in TEST_WORKERS processes (pytest-xdist; a test file
+# is one unit of work), with one torch thread per worker (OpenMP threads that
+# spin on a shared core slow every worker); tests that ask for more threads get OpenMP threads that sleep
+# while they wait, and torch.compile compiles in the worker, not in a pool of its own. A worker waits on
+# its engines, servers and sockets much of the time, so one worker more than there are cores keeps them
+# busy (2 cores: 2 workers 309 s, 3 workers 234 s, 4 workers 288 s); at most 4, as each holds models and
+# servers of its own. Then the browser tests alone: they share one app server and one browser, and time
+# what they see. Each part ends with its slowest tests. It writes nothing into the repository.
 TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n + 1 : 4 )))
 PARALLEL_ENV := OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE TORCHINDUCTOR_COMPILE_THREADS=1
 test: venv sysdeps
