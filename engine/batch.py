@@ -104,8 +104,7 @@ class Sequence:
 
     def joins(self, drafts: list[int]) -> bool:
         """Whether the verify of these drafts may run as rows of a shared step."""
-        joins = getattr(self.runner, "verify_joins", None)
-        return bool(drafts) and joins is not None and joins(self.pos, 1 + len(drafts), self.cache)
+        return bool(drafts) and self.runner.verify_joins(self.pos, 1 + len(drafts), self.cache)
 
     def verify_tokens(self, drafts: list[int]):
         """The verify's rows: its last token, then the drafts ([1 + k, 1] on the runner's device)."""

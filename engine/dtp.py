@@ -274,9 +274,10 @@ class Rank:
         spec = plan_speculation(speculative, self.runner, ids, params)
         steps = self.runner.token_steps(ids, params, seeds, eos_ids, should_stop=lambda: self.comm.stopped,
                                         spec=spec if spec.active else None)
+        asked = speculative != "off"  # else the front keeps no speculation to copy counts into
         for host, t, logprobs in steps:
             if self.rank == 0:
-                self.conn.send(("tokens", rid, host, t, logprobs, spec.counts()))
+                self.conn.send(("tokens", rid, host, t, logprobs, spec.counts() if asked else None))
         timelines = None
         if self.comm.record:  # every rank's summary to rank 0 (all ranks leave the loop at the same step)
             timelines = [None] * self.comm.world if self.rank == 0 else None
