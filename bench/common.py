@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import platform
@@ -143,13 +144,48 @@ def gguf_memo():
         gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
 
 
+HF_GGUF_CACHE = "LANEPLAY_HF_GGUF_CACHE"  # a folder: keep transformers' conversions of GGUF files there
+
+
 def hf_from_gguf(path: Path, **kwargs):
-    """transformers' own GGUF loader on `path` (float32, eval mode), with `gguf_memo`."""
+    """transformers' own GGUF loader on `path` (float32, eval mode), with `gguf_memo`.
+
+    Where the environment names a folder in LANEPLAY_HF_GGUF_CACHE (the test suite does: its worker
+    processes each need the same model), the first conversion of a file is saved there (its config and
+    a safetensors file) and later processes load that with `from_pretrained`: the same tensors and config,
+    without dequantizing again. The key is the file's name, size and modification time and the
+    transformers version; a lock makes concurrent processes wait for one conversion."""
     import transformers
 
-    with gguf_memo():
-        return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                                 dtype=torch.float32, **kwargs).eval()
+    def convert():
+        with gguf_memo():
+            return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                     dtype=torch.float32, **kwargs).eval()
+
+    root = os.environ.get(HF_GGUF_CACHE)
+    if not root:
+        return convert()
+    import fcntl
+    import hashlib
+
+    st = Path(path).stat()
+    key = hashlib.sha256(f"{Path(path).name}:{st.st_size}:{st.st_mtime_ns}:{transformers.__version__}".encode())
+    folder = Path(root) / key.hexdigest()[:24]
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{folder}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not (folder / "config.json").is_file():
+            model = convert()
+            from safetensors.torch import save_model  # transformers refuses to save a model it loaded from GGUF
+
+            part = folder.with_name(folder.name + ".part")
+            config = copy.deepcopy(model.config)
+            config.__dict__.pop("quantization_config", None)  # the saved tensors are plain float32
+            config.save_pretrained(part)
+            save_model(model, str(part / "model.safetensors"))
+            part.rename(folder)
+            return model
+    return transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **kwargs).eval()
 
 
 def hf_peer():

@@ -9,6 +9,15 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if not os.environ.get("PYTEST_XDIST_WORKER") and "LANEPLAY_HF_GGUF_CACHE" not in os.environ:
+    # transformers' conversion of the embedded GGUF, made once for the run: the workers and the bench
+    # subprocesses inherit this folder (bench/common.py:hf_from_gguf); removed when the run ends
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["LANEPLAY_HF_GGUF_CACHE"] = tempfile.mkdtemp(prefix="laneplay-hf-gguf-")
+    atexit.register(shutil.rmtree, os.environ["LANEPLAY_HF_GGUF_CACHE"], True)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -114,20 +114,21 @@ def test_fused_step_gives_the_same_logits_on_any_thread_count_and_thread(tmp_pat
     cfg, src = open_checkpoint(write_checkpoint(tmp_path / "one", raw, random_laneformer_tensors(raw, seed=4)))
     model = LaneModel(cfg, lowbit.pack_weights(load_weights(cfg, src), "int4"))
     src.close()
-    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(5))
+    start = 110  # a prefilled prompt past the ring of 5; the decode crosses 128 visible keys (two stretches)
+    ids = torch.randint(0, 256, (1, start), generator=torch.Generator().manual_seed(5))
 
     def run(n_seq=1):
         _, cache = model.prefill(ids, n_seq, 200)
         out = [model.decode(torch.tensor([[(3 * pos + i) % 256] for i in range(n_seq)]), pos, cache)
-               for pos in range(6, 200)]  # past the ring of 5 and past several probes of the ladder
+               for pos in range(start, 200)]  # and past several probes of the ladder
         return torch.stack(out), torch.cat([t.flatten() for t in cache.k + cache.v])
 
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(4)  # more threads than this machine may have cores: the team must still agree
+        torch.set_num_threads(3)  # more threads than this machine may have cores: the team must still agree
         lowbit.step_threads(1)
         want_logits, want_cache = run()
-        for n in (2, 3, 4, 0):
+        for n in (2, 3, 0):
             assert lowbit.step_threads(n) == (n or lowbit.step_threads())
             logits, kv = run()
             assert torch.equal(logits, want_logits) and torch.equal(kv, want_cache), n
