@@ -33,14 +33,17 @@ class Sequence:
     """One request's rows: prefill, KV cache and position, sampler (generators, penalties' history), text side."""
 
     def __init__(self, engine, ids: list[int], params: SamplingParams, t_start: float, prefixes=None,
-                 speculative: str = "auto"):
+                 speculative: str = "auto", seeds: list[int] | None = None, text: bool = True):
+        """seeds: the samples' seeds (default: drawn as a request alone draws them); text: turn tokens into
+        text events (`TextSide`), or else hand back each position's raw (tokens, time, logprobs) step, as a
+        DTP rank does (its front end has the text side)."""
         self.runner, self.ids, self.params, self.n = engine.runner, ids, params, params.n
-        self.seeds = sample_seeds(params)
+        self.seeds = sample_seeds(params) if seeds is None else list(seeds)
         self.sampler = RowSampler(params, self.seeds, ids, self.runner.device)
         self.eos_ids = engine.eos_ids
         self.spec = plan_speculation(speculative, self.runner, ids, params)
         self.text = TextSide(params, self.seeds, engine.tokenizer, self.eos_ids, len(ids), str(engine.device),
-                             engine.world_size, t_start, self.spec)
+                             engine.world_size, t_start, self.spec) if text else _RawSteps()
         self.kv_bytes = kv_need(engine, ids, params)
         self._prefill, self.reused = self.runner.prefill_steps(ids, self.n, len(ids) + params.max_tokens, prefixes)
         self.cache = self.tokens = None
@@ -137,6 +140,18 @@ class Sequence:
         if self._prefill is not None:
             self._prefill.close()
         self._prefill = self.cache = self.tokens = None
+
+
+class _RawSteps:
+    """A text side that keeps no text: each position's step as `token_steps` yields it."""
+
+    done = False
+
+    def feed(self, host: list[int], now: float, logprobs=None) -> list[tuple]:
+        return [(host, now, logprobs)]
+
+    def close(self) -> list:
+        return []
 
 
 def decode_step(runner, seqs: list[Sequence]) -> list[list[GenerationEvent]]:

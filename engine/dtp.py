@@ -9,10 +9,14 @@ block type's residual add `broadcast_delay` layers later (wait point). `wait_now
 issue point instead: the same function with the communication exposed.
 
 Every rank samples the same token from the same gathered logits with the same seeded generators,
-so no per-token broadcast is needed; rank 0's "stop now" flag (client gone, stop string) rides on
-the per-step gather. The front broadcasts each request to all ranks over pipes, turns rank 0's
-token stream into text, and watches the ranks: a rank that dies or raises ends the engine with an
-error naming it, and no process is left behind.
+so no per-token broadcast is needed. The front sends each request to all ranks over pipes, turns rank
+0's token stream into text, and watches the ranks: a rank that dies or raises ends the engine with an
+error naming it, and no process is left behind. Requests at once run as rows of one batch on every
+rank (`Rank.serve`: `engine.batch`'s steps, prompt chunks and shared decode steps); rank 0's word to
+the others (how many of the front's messages it has taken: joins, cancels) rides on the per-step
+gather, and every rank applies the same messages at the same step boundary. Where the ranks run the
+CUDA static step (one request's cache), requests run one at a time (`Rank.generate`), and rank 0's
+"stop now" flag rides on the gather instead.
 
 With the timeline on, every rank records where its decode steps went (compute, collectives issued,
 delayed waits, "wait now" waits, blocking collectives); at the end of a request the ranks gather
@@ -35,6 +39,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import timedelta
@@ -45,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from laneplay.engine.batch import Sequence, decode_step
 from laneplay.engine.checkpoint import load_weights, open_checkpoint
 from laneplay.engine.config import ModelConfig
 from laneplay.engine.model import LaneModel
@@ -90,18 +96,37 @@ class DistLanes:
     `LaneModel` on its slice of the lanes; everything distributed lives here."""
 
     def __init__(self, cfg: ModelConfig, rank: int, world: int, rows: range, wait_now: bool = False,
-                 record: bool = False, stop_requested=lambda: False):
+                 record: bool = False, signal=lambda: 0):
         self.cfg, self.rank, self.world, self.rows = cfg, rank, world, rows  # rows: this rank's vocab shard
         self.device = torch.device("cpu")  # where flags live for the collective (the rank's device, set by Rank)
         self.wait_now, self.record = wait_now, record
-        self.stop_requested = stop_requested  # rank 0: has the front asked to stop this request?
+        # rank 0's word to the others, riding on every per-step gather (`Rank` sets it): a request alone,
+        # 1 when the front asked to stop it; requests in a batch, how many of the front's messages rank 0
+        # has taken (the others take as many at the next step boundary)
+        self.signal = signal
         self.stopped = False  # set by every rank from rank 0's flag, at the same step
+        self.news = 0  # rank 0's messages taken since the last step boundary, as every rank heard it
+        self.gathers = 0  # per-step gathers so far (a step boundary without one asks with `exchange_news`)
         self.events: list[tuple[str, float, float]] = []  # (kind, start, end): blocked time on this rank
         self._open_step: int | None = None  # events index of the decode step whose token pick is still to come
 
     def begin_request(self) -> None:
         self.stopped, self._open_step = False, None
         self.events.clear()
+
+    def _flag(self, device) -> Tensor:
+        return torch.tensor([float(self.signal()) if self.rank == 0 else 0.0], device=device)
+
+    def _heard(self, flags: Tensor) -> None:
+        said = int(round(float(flags.sum().item())))
+        self.stopped, self.gathers = said > 0, self.gathers + 1
+        self.news += said
+
+    def exchange_news(self) -> None:
+        """A step boundary after a step without a gather (prompt chunks only): rank 0's word, all-reduced."""
+        flag = self._flag(self.device)
+        dist.all_reduce(flag)
+        self._heard(flag)
 
     # -- the delayed reduce (issue and wait points) --
     def _local(self, x: Tensor) -> Tensor:
@@ -181,16 +206,15 @@ class DistLanes:
         """A speculative verify's gather: every rank gets the whole logits [B, S, V] (so every rank keeps
         the same drafts and rolls back the same positions); rank 0's stop flag rides along, as in `pick`."""
         t0 = time.perf_counter()
-        flag = torch.tensor([1.0 if self.rank == 0 and self.stop_requested() else 0.0], device=local.device)
-        logits, flags = self.gather_logits(local, flag)
-        self.stopped = bool(flags.sum().item() > 0)
+        logits, flags = self.gather_logits(local, self._flag(local.device))
+        self._heard(flags)
         if self.record:
             self._note_pick(t0)
         return logits
 
     def agree_stop(self, should_stop) -> bool:
         """Between prefill chunks: rank 0 says whether the front asked to stop; every rank hears the same."""
-        wanted = self.rank == 0 and (self.stop_requested() or (should_stop is not None and bool(should_stop())))
+        wanted = self.rank == 0 and (bool(self.signal()) or (should_stop is not None and bool(should_stop())))
         flag = torch.tensor([1.0 if wanted else 0.0], device=self.device)
         dist.all_reduce(flag)
         self.stopped = self.stopped or bool(flag.item() > 0)
@@ -203,7 +227,7 @@ class DistLanes:
         same token history. Rank 0's stop flag rides along, so all ranks leave the loop at the same step."""
         params = sampler.params
         t0 = time.perf_counter()
-        flag = torch.tensor([1.0 if self.rank == 0 and self.stop_requested() else 0.0], device=local.device)
+        flag = self._flag(local.device)
         n = local.shape[0]
         if params.greedy and not self.full_logits and not sampler.needs_logits:
             best, idx = local.max(-1)
@@ -217,13 +241,22 @@ class DistLanes:
         else:
             logits, flags = self.gather_logits(local, flag)
             tokens = sampler(logits)
-        self.stopped = bool(flags.sum().item() > 0)
+        self._heard(flags)
         if self.record:
             self._note_pick(t0)
         return tokens
 
 
 # ---- one rank -----------------------------------------------------------------------------------
+
+class _RankEngine:
+    """What `engine.batch.Sequence` reads of an engine, on a rank (no tokenizer: the front has the text side)."""
+
+    def __init__(self, runner: LocalRunner, eos_ids: set[int]):
+        self.runner, self.eos_ids, self.tokenizer = runner, eos_ids, None
+        self.cfg, self.device, self.world_size = runner.cfg, runner.device, runner.world_size
+        self.dtype = runner.runtime.torch_dtype
+
 
 class Rank:
     """What runs inside rank r: a LocalRunner over the plain LaneModel on this rank's lanes."""
@@ -243,8 +276,8 @@ class Rank:
             from laneplay.kernels.lowbit import pack_weights
 
             weights = pack_weights(weights, runtime.weight_format)
-        self.comm = DistLanes(cfg, rank, world, rows, wait_now=wait_now, record=record,
-                              stop_requested=self._cancel_requested)
+        self.pending: deque = deque()  # the front's messages taken and not yet acted on (in batches)
+        self.comm = DistLanes(cfg, rank, world, rows, wait_now=wait_now, record=record, signal=self._cancel_requested)
         self.comm.device = runtime.torch_device
         self.runner = LocalRunner(LaneModel(cfg, weights, lanes, self.comm), runtime)
         self.layer_bytes = sum(t.nbytes for k, t in weights.items() if k.startswith("layers."))
@@ -255,12 +288,20 @@ class Rank:
         return {"lanes": [self.lanes.start, self.lanes.stop], "layer_bytes": self.layer_bytes,
                 "head_bytes": self.head_bytes, "vocab_rows": [self.rows.start, self.rows.stop], "pid": os.getpid()}
 
-    def _cancel_requested(self) -> bool:
+    def _cancel_requested(self) -> int:
         while self.conn.poll():
             msg = self.conn.recv()
             if msg[0] == "cancel" and msg[1] == self.request_id:
-                return True
-        return False
+                return 1
+        return 0
+
+    def _take_messages(self) -> int:
+        """Rank 0, requests in a batch: take what the front sent since the last look; how many."""
+        k = 0
+        while self.conn.poll():
+            self.pending.append(self.conn.recv())
+            k += 1
+        return k
 
     def logits(self, ids) -> Tensor:
         return self.runner.logits(torch.tensor(ids, dtype=torch.long)).cpu()
@@ -280,6 +321,93 @@ class Rank:
                 self.conn.send(("tokens", rid, host, t, logprobs, spec.counts() if asked else None))
         timelines = None
         if self.comm.record:  # every rank's summary to rank 0 (all ranks leave the loop at the same step)
+            timelines = [None] * self.comm.world if self.rank == 0 else None
+            dist.gather_object(self.timeline_summary(), timelines, dst=0)
+        if self.rank == 0:
+            self.conn.send(("done", rid, timelines))
+
+    def serve(self, first) -> list:
+        """Requests as rows of one batch (`engine.batch`, as the single-process scheduler runs them) until
+        none is left; returns the messages taken meanwhile that are not about requests, in order.
+
+        Every rank must apply the front's messages at the same step boundary, in the same order. The
+        front sends each message to every rank; rank 0 takes what has arrived during a step (its count
+        rides on the step's gathers, `DistLanes.signal`), and at the boundary every other rank takes as
+        many from its own pipe, which holds the same messages in the same order. A request joins at the
+        boundary after its "join" (prompt chunks first, then decode steps shared with the others); a
+        "cancel" ends it there. Every rank runs the same steps, samples the same tokens with the same
+        seeded generators and speculates alike, so rows finish at the same step everywhere; rank 0
+        streams each request's tokens and its "done" to the front."""
+        self.comm.signal = self._take_messages
+        self.pending.append(first)
+        seqs: dict[int, tuple] = {}  # rid -> (Sequence, whether it asked for speculation)
+        held: list = []
+        try:
+            while True:
+                self._apply(seqs, held)
+                if not seqs or any(m[0] == "close" for m in held):
+                    for rid, (seq, _) in list(seqs.items()):
+                        seq.cancel()
+                        self._done(rid)
+                    return held + list(self.pending)
+                gathers = self.comm.gathers
+                self._iterate(seqs)
+                if self.comm.gathers == gathers:
+                    self.comm.exchange_news()
+                if self.rank != 0:
+                    for _ in range(self.comm.news):
+                        self.pending.append(self.conn.recv())
+                self.comm.news = 0
+        finally:
+            self.comm.signal = self._cancel_requested
+            self.pending.clear()
+
+    def _apply(self, seqs: dict, held: list) -> None:
+        """The messages taken so far, at a step boundary: cancels end their requests, joins start theirs;
+        anything else waits until the batch is empty (the front sends nothing else while requests run)."""
+        while self.pending:
+            msg = self.pending.popleft()
+            if msg[0] == "cancel":
+                if msg[1] in seqs:
+                    seqs.pop(msg[1])[0].cancel()
+                    self._done(msg[1])
+            elif msg[0] == "join" and not held:
+                _, rid, ids, params, seeds, eos_ids, speculative = msg
+                if not seqs:
+                    self.comm.begin_request()
+                params = SamplingParams(**params)
+                engine = _RankEngine(self.runner, set(eos_ids))
+                seqs[rid] = (Sequence(engine, ids, params, time.perf_counter(), None, speculative, seeds, text=False),
+                             speculative != "off")
+            else:
+                held.append(msg)
+
+    def _iterate(self, seqs: dict) -> None:
+        """One step: prompts a chunk at a time (at most one chunk's tokens in all), then one decode step
+        for every request past its prompt."""
+        budget = self.runner.runtime.prefill_chunk
+        for rid, (seq, asked) in list(seqs.items()):
+            if seq.prefilling and budget > 0:
+                budget -= min(len(seq.ids), self.runner.runtime.prefill_chunk)
+                self._send_steps(rid, seq, asked, seq.prefill_chunk(), seqs)
+        decoding = [(rid, seq, asked) for rid, (seq, asked) in seqs.items() if not seq.prefilling]
+        if decoding:
+            for (rid, seq, asked), steps in zip(decoding, decode_step(self.runner, [s for _, s, _ in decoding])):
+                self._send_steps(rid, seq, asked, steps, seqs)
+
+    def _send_steps(self, rid: int, seq, asked: bool, steps: list, seqs: dict) -> None:
+        if self.rank == 0:
+            counts = seq.spec.counts() if asked else None
+            for host, t, logprobs in steps:
+                self.conn.send(("tokens", rid, host, t, logprobs, counts))
+        if seq.finished:
+            seqs.pop(rid)
+            self._done(rid)
+
+    def _done(self, rid: int) -> None:
+        """A request of the batch ended (on every rank at the same step): its timeline, then its "done"."""
+        timelines = None
+        if self.comm.record:
             timelines = [None] * self.comm.world if self.rank == 0 else None
             dist.gather_object(self.timeline_summary(), timelines, dst=0)
         if self.rank == 0:
@@ -353,8 +481,9 @@ def rank_main(rank: int, address: str, port: int, timeout_s: float, runtime: Run
     try:
         dist.init_process_group(runtime.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=runtime.world_size, timeout=timedelta(seconds=timeout_s))
+        backlog: deque = deque()  # messages a batch took that were not about its requests
         while True:
-            msg = conn.recv()
+            msg = backlog.popleft() if backlog else conn.recv()
             kind = msg[0]
             if kind == "close":
                 break
@@ -372,6 +501,8 @@ def rank_main(rank: int, address: str, port: int, timeout_s: float, runtime: Run
             elif kind == "generate":  # params: asdict(SamplingParams); per-sample dicts are rebuilt by it
                 _, rid, ids, params, seeds, eos_ids, speculative = msg
                 here.generate(rid, ids, SamplingParams(**params), seeds, set(eos_ids), speculative)
+            elif kind == "join":  # the same, as a row of the rank's batch (`Rank.serve`)
+                backlog.extend(here.serve(msg))
             # a "cancel" for a request that already ended needs nothing
     except (EOFError, KeyboardInterrupt, BrokenPipeError):
         pass  # the front went away: leave quietly
@@ -401,6 +532,12 @@ class DTPRunner:
     def __init__(self, path, runtime: Runtime, wait_now: bool = False, timeline: bool = False,
                  timeout_s: float = 60.0):
         self.runtime, self.world_size, self.timeout_s = runtime, runtime.world_size, timeout_s
+        # Requests at once: the ranks run them as rows of one batch (`Rank.serve`), each streamed by its
+        # own `token_steps` (in its own thread); the ranks' static step (CUDA) holds one request's
+        # cache, so there they run one at a time
+        self.batches_itself = not runtime.graphs
+        self._send_lock, self._recv_lock = threading.Lock(), threading.Lock()
+        self._boxes: dict[int, deque] = {}  # rank 0's messages for each running request, not yet read
         self.device = runtime.torch_device
         self.wait_now, self.record_timeline = bool(wait_now), bool(timeline)
         self.last_timeline: dict | None = None
@@ -463,11 +600,12 @@ class DTPRunner:
 
     def _send(self, msg, ranks=None) -> None:
         self._check_usable()
-        for rank in ranks if ranks is not None else range(self.world_size):
-            try:
-                self.conns[rank].send(msg)
-            except (BrokenPipeError, OSError):
-                self._fail(f"rank {rank} is gone (exit code {self.procs[rank].poll()})")
+        with self._send_lock:  # requests in several threads: each message whole, in one order on every pipe
+            for rank in ranks if ranks is not None else range(self.world_size):
+                try:
+                    self.conns[rank].send(msg)
+                except (BrokenPipeError, OSError):
+                    self._fail(f"rank {rank} is gone (exit code {self.procs[rank].poll()})")
 
     def _recv(self, any_rank: bool = False, timeout: float | None = None, while_waiting=None):
         """The next message from rank 0 (or any rank); a dead or failing rank raises DTPError.
@@ -571,19 +709,23 @@ class DTPRunner:
         spec: the request's `engine.speculative.Speculation`; the ranks run their own and rank 0's counts
         are copied into it as the tokens come."""
         rid = next(self._ids)
-        self._send(("generate", rid, ids, asdict(params), seeds, sorted(eos_ids), spec.mode if spec else "off"))
+        self._boxes[rid] = deque()
+        # joined to the ranks' batch, a cancel goes to every rank (each applies it at the same step boundary);
+        # a request alone listens for it on rank 0 only
+        kind, cancel_to = ("join", None) if self.batches_itself else ("generate", [0])
+        self._send((kind, rid, ids, asdict(params), seeds, sorted(eos_ids), spec.mode if spec else "off"))
         cancel_sent = finished = False
 
         def check_stop():  # also while the ranks are busy in a long prefill and nothing arrives
             nonlocal cancel_sent
             if should_stop is not None and not cancel_sent and should_stop():
-                self._send(("cancel", rid), ranks=[0])
+                self._send(("cancel", rid), ranks=cancel_to)
                 cancel_sent = True
 
         try:
             while True:
                 check_stop()
-                msg = self._recv(while_waiting=check_stop)
+                msg = self._next(rid, check_stop)
                 if msg[0] == "done" and msg[1] == rid:
                     self.last_timeline, finished = self._timeline(msg[2]), True
                     return
@@ -594,10 +736,35 @@ class DTPRunner:
         finally:
             if not finished and not self._failure:  # the consumer stopped early: stop the ranks too
                 if not cancel_sent:
-                    self._send(("cancel", rid), ranks=[0])
-                while (msg := self._recv())[:2] != ("done", rid):
+                    self._send(("cancel", rid), ranks=cancel_to)
+                while (msg := self._next(rid))[:2] != ("done", rid):
                     pass
                 self.last_timeline = self._timeline(msg[2])
+            self._boxes.pop(rid, None)
+
+    def _next(self, rid: int, while_waiting=None):
+        """Rank 0's next message for request rid. Whichever waiting request holds the receiving lock reads
+        the pipe and files each message under its request; the others look at their box every 20 ms."""
+        box = self._boxes[rid]
+        while True:
+            if box:
+                return box.popleft()
+            self._check_usable()
+            if not self._recv_lock.acquire(timeout=0.02):
+                if while_waiting is not None:
+                    while_waiting()
+                continue
+            try:
+                if box:
+                    continue
+                msg = self._recv(while_waiting=while_waiting)
+                if msg[0] in ("tokens", "done") and msg[1] != rid:
+                    if msg[1] in self._boxes:
+                        self._boxes[msg[1]].append(msg)
+                    continue
+                return msg
+            finally:
+                self._recv_lock.release()
 
     def close(self) -> None:
         for c in self.conns:

@@ -5,7 +5,9 @@ One worker thread runs the engine. Where the engine's runner can put separate re
 boundary finished or cancelled requests leave and waiting ones join; a joining prompt is prefilled a
 chunk at a time (at most `prefill_budget` prompt tokens per iteration), and then every decoding request
 gets one token in one shared forward (`engine.batch`). A request's tokens do not depend on who else is
-in the batch. Elsewhere (DTP ranks, the CUDA static step) requests run one at a time, in order.
+in the batch. DTP ranks batch requests themselves (`DTPRunner.batches_itself`: the same steps, run on
+every rank): there each running request streams through a thread of its own. Where the CUDA static
+step holds one request's cache, requests run one at a time, in order.
 
 Admission, stated as policy:
 - interactive requests (the default) join before batch ones (`priority="batch"`: pass@N jobs, evals),
@@ -125,8 +127,10 @@ class Scheduler:
         self.max_queue = max_queue
         self.request_timeout_s = request_timeout_s
         self.on_finish = on_finish  # metrics hook; called once per job, whatever its outcome
-        self.batched = bool(getattr(getattr(engine, "runner", None), "batchable", False))
-        self.max_rows = max_rows if self.batched else 1
+        runner = getattr(engine, "runner", None)
+        self.batched = bool(getattr(runner, "batchable", False))
+        self.concurrent = not self.batched and bool(getattr(runner, "batches_itself", False))
+        self.max_rows = max_rows if self.batched or self.concurrent else 1
         self.interactive_reserve = min(interactive_reserve, max_rows - 1)
         self.shared_rows = shared_rows
         runtime = getattr(engine, "runtime", None)
@@ -238,22 +242,47 @@ class Scheduler:
         job.outcome = outcome
         with nullcontext() if locked else self._cond:
             self.running.remove(job)
+            self._cond.notify_all()  # room for a waiting job (the worker of requests at once waits for it)
         self.mean_job_s = 0.8 * self.mean_job_s + 0.2 * (time.perf_counter() - job.t_start) / max(1, len(self.running) + 1)
         job.push(_DONE)
         self._finished(job)
 
-    # ---- one request at a time (DTP ranks, the CUDA static step) ----
+    # ---- requests not batched here: one at a time (the CUDA static step), or each in a thread of its own
+    # while the runner batches them itself (DTP ranks: `DTPRunner.batches_itself`) ----
     def _work(self) -> None:
+        """One at a time: each job runs here, to its end. Batched by the runner: each admitted job streams
+        through `_run` in a thread of its own while the ranks put the running requests' rows in one step;
+        admission is `_admit`'s policy (rows, KV budget, interactive first, the reserve). A request with
+        its own DTP settings (collectives, timeline: the DTP view's A/B runs) changes them on every rank
+        for as long as it runs, so it runs alone: it waits for the running ones to finish, and nothing
+        joins it."""
         while True:
             with self._cond:
-                while not self._waiting and not self._closed:
+                while not self._closed and not self._startable():
                     self._cond.wait()
                 if self._closed:
                     return
                 job = self._waiting.pop(0)
                 self.running.append(job)
                 self._tell_positions()
-            self._run(job)
+            if self.concurrent:
+                threading.Thread(target=self._run, args=(job,), name=f"laneplay-request-{job.seq}", daemon=True).start()
+            else:
+                self._run(job)
+
+    def _startable(self) -> bool:
+        """Whether the head of the line may start now (called under the lock)."""
+        if not self._waiting:
+            return False
+        if not self.running:
+            return True
+        job = self._waiting[0]
+        if not self.concurrent or job.dtp or any(j.dtp for j in self.running):
+            return False
+        cap = self.max_rows - (self.interactive_reserve if job.priority == "batch" else 0)
+        kv = sum(kv_need(self.engine, j.ids, j.params) for j in self.running)
+        return (sum(j.params.n for j in self.running) + job.params.n <= cap
+                and not (self.kv_budget and kv + kv_need(self.engine, job.ids, job.params) > self.kv_budget))
 
     def _run(self, job: Job) -> None:
         self._begin(job)
@@ -271,6 +300,12 @@ class Scheduler:
                 last = None
                 for ev in self.engine.generate(job.ids, job.params, should_stop=should_stop,
                                                speculative=job.speculative):
+                    if self.concurrent:  # what the meter says: the requests the ranks step with this one
+                        with self._cond:
+                            others = [j for j in self.running if j is not job]
+                        job.steps += 1
+                        job.step_rows += job.params.n + sum(j.params.n for j in others)
+                        job.sharing = len(others)
                     if ev.finish_reason:
                         job.finals[ev.sample_index] = ev.metrics
                         stopped |= ev.finish_reason == "cancelled"

@@ -1,4 +1,5 @@
 """The DTP runtime on CPU with gloo: same function at every world size, delayed or "wait now"."""
+import asyncio
 import os
 import signal
 import time
@@ -179,3 +180,67 @@ def test_ranks_speculate_alike_and_keep_the_single_process_tokens(cluster, check
     sampled = SamplingParams(max_tokens=16, temperature=0.8, seed=5, ignore_eos=True)
     got, m = _run(eng, prompt, sampled, "lookup")
     assert got == _run(single, prompt, sampled, "lookup")[0] and m.draft_tokens > 0  # the ranks draw alike
+
+
+async def _together(eng, requests, cancel_after=None):
+    """Requests submitted at once to the engine's scheduler: [(tokens per sample, job, when it ended)].
+    cancel_after: (index, tokens): that request is cancelled once it has streamed so many tokens."""
+    from laneplay.engine.scheduler import STARTED, Queued, Scheduler
+
+    sched = Scheduler(eng)
+    sched.start()
+
+    async def collect(i, job):
+        out, n = {}, 0
+        async for ev in job.stream():
+            if ev is STARTED or isinstance(ev, Queued):
+                continue
+            out.setdefault(ev.sample_index, []).extend(ev.token_ids)
+            n += len(ev.token_ids)
+            if cancel_after and cancel_after[0] == i and n >= cancel_after[1]:
+                sched.cancel(job)
+        return out, job, time.perf_counter()
+
+    try:
+        jobs = [sched.submit(*eng.prepare(prompt, params), speculative=spec) for prompt, params, spec in requests]
+        return await asyncio.gather(*(collect(i, j) for i, j in enumerate(jobs)))
+    finally:
+        sched.close()
+
+
+def _alone(eng, prompt, params, spec):
+    out = {}
+    for ev in eng.generate(prompt, params, speculative=spec):
+        out.setdefault(ev.sample_index, []).extend(ev.token_ids)
+    return out
+
+
+@pytest.mark.parametrize("name", ["d1-late"])  # at world sizes 2 and 4
+def test_requests_at_once_share_the_ranks_steps_and_keep_their_tokens(cluster, checkpoints, name):
+    """Separate requests at once on a DTP engine run as rows of the ranks' shared steps (prompt chunks and
+    decode steps interleaved, `Rank.serve`): all start before any ends, each hears it shared the engine's steps,
+    and each gets the tokens the single-process engine gives it alone (greedy, seeded samples, several
+    samples, prompt-lookup speculation). A cancelled one leaves at a step boundary; the others go on."""
+    path = checkpoints[name][0]
+    eng = reload(cluster, path)
+    single = load_engine(path, compile=False)
+    assert eng.runner.batches_itself
+    requests = [
+        (PROMPT * 3, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), "off"),
+        ([7, 1, 7, 1, 9], SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=11, n=2, ignore_eos=True), "auto"),
+        (PROMPT * 4, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), "lookup"),
+        ([2] * 30, SamplingParams(max_tokens=20, temperature=0.7, top_k=20, seed=5, ignore_eos=True), "off"),
+    ]
+    got = asyncio.run(_together(eng, requests))
+    first_end = min(end for _, _, end in got)
+    for (prompt, params, spec), (tokens, job, _) in zip(requests, got):
+        assert job.outcome == "completed" and job.t_start < first_end  # none waited for another to finish
+        assert job.rows_per_step > params.n  # its steps carried the others' rows too
+        assert tokens == _alone(single, prompt, params, spec), (prompt, params)
+    # one request cancelled mid-stream leaves the batch; the other keeps its tokens; the engine goes on
+    keep = requests[0]
+    drop = (PROMPT, SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True), "off")
+    (t_keep, j_keep, _), (t_drop, j_drop, _) = asyncio.run(_together(eng, [keep, drop], cancel_after=(1, 3)))
+    assert j_drop.outcome == "cancelled" and len(t_drop[0]) < 60
+    assert j_keep.outcome == "completed" and t_keep == _alone(single, *keep)
+    assert _alone(eng, *requests[3]) == _alone(single, *requests[3])
