@@ -16,6 +16,9 @@ Two tables, on the embedded default (the CPU default path unless --dtype says ot
 5. a ~1,000-token prompt, then the same code with a new instruction: TTFT cold and with the prefix
    reused (whole prefill chunks, --prefill-chunk).
 JSON to bench/results/batching.json.
+6. the same k clients on a DTP engine (--dtp-world ranks of the embedded default, gloo on the CPU: the
+   ranks share the cores, so this shows batching on the ranks, not DTP's speed), one at a time against
+   batched by the ranks; JSON to bench/results/batching-dtp.json (--dtp-only runs just this table).
 """
 from __future__ import annotations
 
@@ -230,6 +233,30 @@ def prefix_reuse(engine, target_tokens: int = 1000, tokens: int = 16) -> dict:
             "prefill_chunk": engine.runtime.prefill_chunk}
 
 
+def dtp_users(args, quiet) -> None:
+    """Table 6: k clients at once on a DTP engine, one at a time and batched by the ranks."""
+    from laneplay.engine import load_engine
+
+    engine = load_engine("smollm2-135m-instruct", dtype=args.dtype, world_size=args.dtp_world)
+    try:
+        rows = concurrency(engine, [int(x) for x in args.dtp_users.split(",")], args.dtp_tokens,
+                           {"one at a time": 1, "batched by the ranks": 16})
+    finally:
+        engine.close()
+    print(f"\nk clients at once on {args.dtp_world} DTP ranks (gloo, sharing the cores), {args.dtp_tokens} greedy "
+          "tokens each")
+    print_table(rows, USER_COLUMNS)
+    path = write_json("batching-dtp", {"dtype": engine.runtime.dtype, "world_size": args.dtp_world,
+                                       "tokens": args.dtp_tokens, "quiet": quiet, "users": rows}, args.out)
+    print(f"wrote {path}")
+
+
+USER_COLUMNS = [("engine", "engine", "s"), ("users", "users", "d"), ("ttft_min_ms", "TTFT min ms", ".0f"),
+                ("ttft_median_ms", "median", ".0f"), ("ttft_max_ms", "max", ".0f"),
+                ("ttft_max_vs_alone", "max x alone", ".2f"), ("wall_s", "wall s", ".2f"),
+                ("wall_vs_alone", "wall x alone", ".2f"), ("rows_per_step", "rows/step", ".1f")]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="laneplay bench batching", description=__doc__.splitlines()[0])
     p.add_argument("--dtype", default="auto")
@@ -239,12 +266,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill step (the engine's default)")
     p.add_argument("--join-tokens", type=int, default=1500, help="the long prompt that joins three decodes")
     p.add_argument("--passn-problems", type=int, default=8, help="problems of the pass@N-like run (N = 8)")
+    p.add_argument("--dtp-world", type=int, default=3, help="ranks of the DTP table (3 divides the default's "
+                   "9 heads; 0 skips it)")
+    p.add_argument("--dtp-users", default="1,4", help="concurrent clients on the DTP engine")
+    p.add_argument("--dtp-tokens", type=int, default=64)
+    p.add_argument("--dtp-only", action="store_true", help="run the DTP table alone")
     p.add_argument("--allow-noisy", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     quiet = check_quiet(args.allow_noisy)
     from laneplay.engine import load_engine
 
+    if args.dtp_world:
+        dtp_users(args, quiet)
+    if args.dtp_only:
+        return 0
     chunk = {"prefill_chunk": args.prefill_chunk} if args.prefill_chunk else {}
     engine = load_engine("smollm2-135m-instruct", dtype=args.dtype, **chunk)
     rows = step_costs(engine, [int(x) for x in args.rows.split(",")])
@@ -254,10 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     users = concurrency(engine, [int(x) for x in args.users.split(",")], args.tokens,
                         {"one at a time": 1, "batched": 16})
     print(f"\nk clients at once, {args.tokens} greedy tokens each: client TTFT (send -> first text) and wall time")
-    print_table(users, [("engine", "engine", "s"), ("users", "users", "d"), ("ttft_min_ms", "TTFT min ms", ".0f"),
-                        ("ttft_median_ms", "median", ".0f"), ("ttft_max_ms", "max", ".0f"),
-                        ("ttft_max_vs_alone", "max x alone", ".2f"), ("wall_s", "wall s", ".2f"),
-                        ("wall_vs_alone", "wall x alone", ".2f"), ("rows_per_step", "rows/step", ".1f")])
+    print_table(users, USER_COLUMNS)
     joins = long_prompt_joins(engine, args.join_tokens)
     print("\nthree requests decode while a long prompt joins: their time between tokens (TBT)")
     print_table([joins], [("prompt_tokens", "prompt", "d"), ("alone_ms_per_token", "alone ms/token", ".1f"),

@@ -26,7 +26,7 @@ QUICK = {"decode": ["--rounds", "1", "--new-tokens", "4", "--ours", "eager", "--
          "dtp": ["--rounds", "1", "--tokens", "4", "--width", "128"],
          "prefill": ["--rounds", "1", "--lengths", "160", "--dtypes", "int4"],
          "batching": ["--rows", "1,4", "--users", "1,4", "--tokens", "16", "--join-tokens", "300",
-                      "--passn-problems", "1"],
+                      "--passn-problems", "1", "--dtp-users", "1,2", "--dtp-tokens", "8"],
          "serving": ["--loads", "2", "--requests", "4"],
          "spec": ["--edits", "4", "--plain", "1", "--tokens", "48", "--plain-tokens", "16", "--cost-rounds", "2"]}
 

@@ -82,12 +82,7 @@ def batching_tables(d: dict) -> str:
              "| requests | ms/step | × one | ms/row |", "|---|---|---|---|"]
     lines += [f"| {r['requests']} | {r['ms_per_step']:.1f} | {r['vs_one']:.2f} | {r['ms_per_row']:.2f} |"
               for r in d.get("step_costs") or []]
-    lines += ["", f"k clients at once, {d.get('tokens')} greedy tokens each; TTFT from send:", "",
-              "| engine | users | TTFT min ms | median | max | wall s | wall × alone | rows/step |",
-              "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['engine']} | {r['users']} | {r['ttft_min_ms']:.0f} | {r['ttft_median_ms']:.0f} | "
-              f"{r['ttft_max_ms']:.0f} | {r['wall_s']:.2f} | {r['wall_vs_alone']:.2f} | {r['rows_per_step']:.1f} |"
-              for r in d.get("users") or []]
+    lines += ["", f"k clients at once, {d.get('tokens')} greedy tokens each; TTFT from send:", "", *_users_table(d)]
     j = d.get("long_prompt_joins")
     if j:
         lines += ["", f"Three requests decoding while a {j['prompt_tokens']}-token prompt joins: their time between "
@@ -106,6 +101,21 @@ def batching_tables(d: dict) -> str:
                   f"prompt tokens reused (whole {p['prefill_chunk']}-token chunks), TTFT {p['warm_ttft_ms']:.0f} ms "
                   f"against {p['cold_ttft_ms']:.0f} ms cold ({p['warm_vs_cold']:.2f})."]
     return "\n".join(lines)
+
+
+def _users_table(d: dict) -> list[str]:
+    return ["| engine | users | TTFT min ms | median | max | wall s | wall × alone | rows/step |",
+            "|---|---|---|---|---|---|---|---|"] + [
+        f"| {r['engine']} | {r['users']} | {r['ttft_min_ms']:.0f} | {r['ttft_median_ms']:.0f} | "
+        f"{r['ttft_max_ms']:.0f} | {r['wall_s']:.2f} | {r['wall_vs_alone']:.2f} | {r['rows_per_step']:.1f} |"
+        for r in d.get("users") or []]
+
+
+def batching_dtp_table(d: dict) -> str:
+    """bench/batching.py's DTP table: k clients at once on DTP ranks, one at a time and batched by the ranks."""
+    return "\n".join([f"k clients at once on {d.get('world_size')} DTP ranks ({d.get('dtype')}; gloo on the CPU, "
+                      f"the ranks sharing the cores), {d.get('tokens')} greedy tokens each, {_head(d)}:", "",
+                      *_users_table(d)])
 
 
 def serving_table(d: dict) -> str:
@@ -175,6 +185,7 @@ def report(folder: Path = RESULTS) -> str:
     parts = []
     for name, render in (("decode-cpu.json", decode_tables), ("lowbit-quality.json", quality_tables),
                          ("dtp-cpu.json", dtp_table), ("batching.json", batching_tables),
+                         ("batching-dtp.json", batching_dtp_table),
                          ("serving.json", serving_table), ("spec.json", spec_table), ("gpu-check.json", gpu_tables)):
         path = Path(folder) / name
         if path.is_file():

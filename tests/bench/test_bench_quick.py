@@ -117,13 +117,19 @@ def test_the_serving_tables_are_generated_from_the_json(tmp_path):
         "when": "2026-12-06", "machine": machine, "requests": 16, "threads": 2, "mean_alone_s": 5.0,
         "rows": [{"server": "llama-server", "load": 4.0, "ttft_p50_ms": 300.0, "ttft_p99_ms": 2000.0,
                   "tbt_p50_ms": 20.0, "tbt_p99_ms": 90.0, "user_tps_median": 40.0, "aggregate_tps": 120.0}]}))
+    (tmp_path / "batching-dtp.json").write_text(json.dumps({
+        "when": "2026-12-06", "machine": machine, "dtype": "int4", "world_size": 3, "tokens": 64,
+        "quiet": {"quiet": True},
+        "users": [{"engine": "batched by the ranks", "users": 4, "ttft_min_ms": 364, "ttft_median_ms": 1086,
+                   "ttft_max_ms": 1543, "wall_s": 17.16, "wall_vs_alone": 2.2, "rows_per_step": 4.0}]}))
     text = report(tmp_path)
     assert "| 4 | 14.3 | 2.01 | 3.57 |" in text and "| batched | 4 | 90 | 242 | 369 | 3.57 | 2.66 | 4.0 |" in text
+    assert "on 3 DTP ranks (int4" in text and "| batched by the ranks | 4 | 364 | 1086 | 1543 | 17.16 | 2.20 | 4.0 |" in text
     assert "512 prompt tokens reused" in text and "(0.54)" in text and "flagged noisy" in text
     assert "| llama-server | 4 | 300 | 2000 | 20.0 | 90.0 | 40.0 | 120.0 |" in text
     # a run checked before and after (a list of records) is flagged when either check found the machine busy
-    (tmp_path / "batching.json").unlink()
-    (tmp_path / "serving.json").unlink()
+    for name in ("batching.json", "batching-dtp.json", "serving.json"):
+        (tmp_path / name).unlink()
     (tmp_path / "spec.json").write_text(json.dumps({
         "when": "2026-12-06", "machine": machine, "model": "m", "dtype": "int4",
         "quiet": [{"quiet": True}, {"quiet": False}],
