@@ -392,7 +392,12 @@ class Rank:
                 self._send_steps(rid, seq, asked, seq.prefill_chunk(), seqs)
         decoding = [(rid, seq, asked) for rid, (seq, asked) in seqs.items() if not seq.prefilling]
         if decoding:
-            for (rid, seq, asked), steps in zip(decoding, decode_step(self.runner, [s for _, s, _ in decoding])):
+            t0 = time.perf_counter()
+            events = decode_step(self.runner, [s for _, s, _ in decoding])
+            if self.rank == 0:  # the step's rows and time, before its tokens (the front's meters and metrics)
+                self.conn.send(("step", sum(s.n for _, s, _ in decoding), time.perf_counter() - t0,
+                                [rid for rid, _, _ in decoding]))
+            for (rid, seq, asked), steps in zip(decoding, events):
                 self._send_steps(rid, seq, asked, steps, seqs)
 
     def _send_steps(self, rid: int, seq, asked: bool, steps: list, seqs: dict) -> None:
@@ -538,6 +543,10 @@ class DTPRunner:
         self.batches_itself = not runtime.graphs
         self._send_lock, self._recv_lock = threading.Lock(), threading.Lock()
         self._boxes: dict[int, deque] = {}  # rank 0's messages for each running request, not yet read
+        self.on_step = None  # (rows, seconds) of each of the ranks' shared decode steps (the server's metrics)
+        self._steps: dict[int, tuple[int, int, int]] = {}  # request -> (rows, other requests, step) of its last shared step
+        self._step_count = 0
+        self._here = threading.local()  # the request that this thread streams
         self.device = runtime.torch_device
         self.wait_now, self.record_timeline = bool(wait_now), bool(timeline)
         self.last_timeline: dict | None = None
@@ -710,6 +719,7 @@ class DTPRunner:
         are copied into it as the tokens come."""
         rid = next(self._ids)
         self._boxes[rid] = deque()
+        self._here.rid = rid
         # joined to the ranks' batch, a cancel goes to every rank (each applies it at the same step boundary);
         # a request alone listens for it on rank 0 only
         kind, cancel_to = ("join", None) if self.batches_itself else ("generate", [0])
@@ -741,6 +751,11 @@ class DTPRunner:
                     pass
                 self.last_timeline = self._timeline(msg[2])
             self._boxes.pop(rid, None)
+            self._steps.pop(rid, None)
+
+    def last_step(self) -> tuple[int, int, int] | None:
+        """(rows, other requests, step number) of the last shared decode step of the request this thread streams."""
+        return self._steps.get(getattr(self._here, "rid", None))
 
     def _next(self, rid: int, while_waiting=None):
         """Rank 0's next message for request rid. Whichever waiting request holds the receiving lock reads
@@ -758,6 +773,13 @@ class DTPRunner:
                 if box:
                     continue
                 msg = self._recv(while_waiting=while_waiting)
+                if msg[0] == "step":  # ("step", rows, seconds, requests)
+                    self._step_count += 1
+                    for r in msg[3]:
+                        self._steps[r] = (msg[1], len(msg[3]) - 1, self._step_count)
+                    if self.on_step is not None:
+                        self.on_step(msg[1], msg[2])
+                    continue
                 if msg[0] in ("tokens", "done") and msg[1] != rid:
                     if msg[1] in self._boxes:
                         self._boxes[msg[1]].append(msg)

@@ -131,6 +131,8 @@ class Scheduler:
         self.batched = bool(getattr(runner, "batchable", False))
         self.concurrent = not self.batched and bool(getattr(runner, "batches_itself", False))
         self.max_rows = max_rows if self.batched or self.concurrent else 1
+        if self.concurrent:  # the ranks' steps, as the front hears of them
+            runner.on_step = lambda rows, seconds: self.on_step and self.on_step(rows, seconds)
         self.interactive_reserve = min(interactive_reserve, max_rows - 1)
         self.shared_rows = shared_rows
         runtime = getattr(engine, "runtime", None)
@@ -297,15 +299,15 @@ class Scheduler:
         wants_timeline = bool(job.dtp and job.dtp.get("timeline"))
         try:  # requests run one at a time, so a request's DTP settings hold for it alone
             with self.engine.request_settings(**job.dtp) if job.dtp else nullcontext() as job.collectives:
-                last = None
+                last = seen = None
                 for ev in self.engine.generate(job.ids, job.params, should_stop=should_stop,
                                                speculative=job.speculative):
-                    if self.concurrent:  # what the meter says: the requests the ranks step with this one
-                        with self._cond:
-                            others = [j for j in self.running if j is not job]
+                    step = self.concurrent and self.engine.runner.last_step()
+                    if step and step != seen:  # the ranks' shared step this token came from
+                        rows, job.sharing, _ = step
                         job.steps += 1
-                        job.step_rows += job.params.n + sum(j.params.n for j in others)
-                        job.sharing = len(others)
+                        job.step_rows += rows
+                    seen = step
                     if ev.finish_reason:
                         job.finals[ev.sample_index] = ev.metrics
                         stopped |= ev.finish_reason == "cancelled"

@@ -182,12 +182,15 @@ def test_ranks_speculate_alike_and_keep_the_single_process_tokens(cluster, check
     assert got == _run(single, prompt, sampled, "lookup")[0] and m.draft_tokens > 0  # the ranks draw alike
 
 
-async def _together(eng, requests, cancel_after=None):
+async def _together(eng, requests, cancel_after=None, steps=None):
     """Requests submitted at once to the engine's scheduler: [(tokens per sample, job, when it ended)].
-    cancel_after: (index, tokens): that request is cancelled once it has streamed so many tokens."""
+    cancel_after: (index, tokens): that request is cancelled once it has streamed so many tokens.
+    steps: a list that gets the rows of every shared decode step (the server's metrics hook)."""
     from laneplay.engine.scheduler import STARTED, Queued, Scheduler
 
     sched = Scheduler(eng)
+    if steps is not None:
+        sched.on_step = lambda rows, seconds: steps.append(rows)
     sched.start()
 
     async def collect(i, job):
@@ -231,11 +234,13 @@ def test_requests_at_once_share_the_ranks_steps_and_keep_their_tokens(cluster, c
         (PROMPT * 4, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True), "lookup"),
         ([2] * 30, SamplingParams(max_tokens=20, temperature=0.7, top_k=20, seed=5, ignore_eos=True), "off"),
     ]
-    got = asyncio.run(_together(eng, requests))
+    steps = []
+    got = asyncio.run(_together(eng, requests, steps=steps))
     first_end = min(end for _, _, end in got)
+    assert max(steps) == 5  # all four requests' rows (one has two samples) in one step of the ranks
     for (prompt, params, spec), (tokens, job, _) in zip(requests, got):
         assert job.outcome == "completed" and job.t_start < first_end  # none waited for another to finish
-        assert job.rows_per_step > params.n  # its steps carried the others' rows too
+        assert params.n < job.rows_per_step <= 5  # its steps carried the others' rows too
         assert tokens == _alone(single, prompt, params, spec), (prompt, params)
     # one request cancelled mid-stream leaves the batch; the other keeps its tokens; the engine goes on
     keep = requests[0]
