@@ -24,50 +24,61 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype | Non
     return (y * w).to(out_dtype or x.dtype)
 
 
-def slot_positions(pos: int, slots: int, device=None) -> Tensor:
-    """Absolute position held by each cache slot once positions 0..pos were written (-1: empty).
+def slot_positions(pos, slots: int, device=None) -> Tensor:
+    """Absolute position held by each cache slot once positions 0..pos were written (-1: empty); pos an
+    int, or a tensor of positions [N, 1] (then one row of slots per position).
 
     Slot s holds the latest position p <= pos with p = s (mod slots): a full layer (slots > pos) has
     slot = position; a ring buffer of W slots holds the last W positions.
     """
     s = torch.arange(slots, device=device)
     held = s + torch.div(pos - s, slots, rounding_mode="floor") * slots
-    return torch.where(s <= pos, held, torch.full_like(s, -1))
+    return torch.where(s <= pos, held, -1)
 
 
 def rope_kv_write(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
                   num_q_heads: int, num_kv_heads: int, head_dim: int) -> Tensor:
     """Interleaved-pair RoPE (docs/laneformer.md §3) on the q and k heads of qkv [N, (Hq + 2 Hkv) * hd] at position
-    `pos` (a one-element integer tensor); k and v go into slot pos % slots of the caches
-    [N, Hkv, slots, hd] (the ring-buffer slot on sliding-window layers). Returns rotated q [N, Hq, hd]."""
+    `pos` (a one-element integer tensor, or one position per row: separate requests in one step); k and v
+    go into slot pos % slots of the caches [N, Hkv, slots, hd] (the ring-buffer slot on sliding-window
+    layers). Returns rotated q [N, Hq, hd]."""
     N = qkv.shape[0]
-    p = int(pos.reshape(-1)[0])
+    p = _row_positions(pos, N)
     heads = qkv.view(N, num_q_heads + 2 * num_kv_heads, head_dim)
     qk = heads[:, :num_q_heads + num_kv_heads].float().unflatten(-1, (-1, 2))
     x0, x1 = qk[..., 0], qk[..., 1]
-    c, s = cos[p].float(), sin[p].float()
+    c, s = cos[p].float()[:, None], sin[p].float()[:, None]  # [N, 1, hd / 2]
     rot = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2).to(qkv.dtype)
-    slot = p % k_cache.shape[2]
-    k_cache[:, :, slot] = rot[:, num_q_heads:]
-    v_cache[:, :, slot] = heads[:, num_q_heads + num_kv_heads:]
+    rows, slot = torch.arange(N, device=qkv.device), p % k_cache.shape[2]
+    k_cache[rows, :, slot] = rot[:, num_q_heads:]
+    v_cache[rows, :, slot] = heads[:, num_q_heads + num_kv_heads:]
     return rot[:, :num_q_heads].contiguous()
+
+
+def _row_positions(pos: Tensor, rows: int) -> Tensor:
+    """The position of each of `rows` rows: `pos` holds one for all, or one per row."""
+    p = pos.reshape(-1).long()
+    if p.numel() not in (1, rows):
+        raise ValueError(f"positions: one, or one per row ({rows}); got {p.numel()}")
+    return p.expand(rows)
 
 
 def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, window: int | None) -> Tensor:
     """One query per row over the visible cached keys: q [N, Hq, hd], caches [N, Hkv, slots, hd] ->
     [N, Hq, hd]. GQA: query head h reads KV head h // (Hq / Hkv). A key is visible when its slot holds
-    a position j with pos - window < j <= pos (any j <= pos on a full layer). Scores and softmax in
-    float32; probabilities rounded to the cache dtype before they weight the values, as in the model."""
+    a position j with pos - window < j <= pos (any j <= pos on a full layer); pos: one for all rows, or
+    one per row. Scores and softmax in float32; probabilities rounded to the cache dtype before they
+    weight the values, as in the model."""
     N, hq, hd = q.shape
     hkv, slots = k_cache.shape[1], k_cache.shape[2]
-    p = int(pos.reshape(-1)[0])
-    held = slot_positions(p, slots, q.device)
+    p = _row_positions(pos, N)[:, None]  # [N, 1]
+    held = slot_positions(p, slots, q.device)  # [N, slots]
     visible = held >= 0
     if window:
         visible &= held > p - window
     qg = q.float().view(N, hkv, hq // hkv, hd)
     scores = torch.einsum("ngrd,ngsd->ngrs", qg, k_cache.float()) * hd ** -0.5
-    scores = scores.masked_fill(~visible, float("-inf"))
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     probs = scores.softmax(-1).to(v_cache.dtype).float()
     out = torch.einsum("ngrs,ngsd->ngrd", probs, v_cache.float())
     return out.reshape(N, hq, hd).to(q.dtype)

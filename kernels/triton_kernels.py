@@ -47,10 +47,10 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype | Non
 
 @triton.jit
 def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
-                    HQ, HKV, HD, HALF, slots, BLOCK_T: tl.constexpr):
+                    HQ, HKV, HD, HALF, slots, pos_stride, BLOCK_T: tl.constexpr):
     r = tl.program_id(0)
     h = tl.program_id(1)  # 0..HQ-1: a query head; HQ..HQ+HKV-1: a key head (and its value head)
-    pos = tl.load(pos_ptr)
+    pos = tl.load(pos_ptr + r * pos_stride)  # one position for all rows (stride 0) or one per row
     t = tl.arange(0, BLOCK_T)
     m = t < HALF
     c = tl.load(cos_ptr + pos * HALF + t, mask=m, other=0.0)
@@ -84,7 +84,7 @@ def rope_kv_write(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: T
     half = head_dim // 2
     _rope_kv_kernel[(N, num_q_heads + num_kv_heads)](
         qkv, cos, sin, pos, q, k_cache, v_cache, num_q_heads, num_kv_heads, head_dim, half, k_cache.shape[2],
-        BLOCK_T=_pow2(half), num_warps=1)
+        _pos_stride(pos, N), BLOCK_T=_pow2(half), num_warps=1)
     return q
 
 
@@ -92,7 +92,7 @@ def rope_kv_write(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: T
 
 @triton.jit
 def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr,
-                       HQ, HKV, HD, REP, slots, window, split_len, n_splits, scale,
+                       HQ, HKV, HD, REP, slots, window, split_len, n_splits, scale, pos_stride,
                        BLOCK_R: tl.constexpr, BLOCK_HD: tl.constexpr, BLOCK_S: tl.constexpr,
                        CHECK_WINDOW: tl.constexpr, IEEE: tl.constexpr, FUSED_ROPE: tl.constexpr):
     """One split of one (row, KV head)'s slots. FUSED_ROPE: q_ptr is the un-rotated qkv row; the program
@@ -102,7 +102,7 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, o_ptr, lse_ptr, cos_ptr, 
     sp = tl.program_id(1)  # which split of the slots
     r = pid // HKV
     g = pid % HKV
-    pos = tl.load(pos_ptr).to(tl.int32)
+    pos = tl.load(pos_ptr + r * pos_stride).to(tl.int32)
     start = sp * split_len
     # slots past pos were never written; the last split that holds a written slot does the work
     end = tl.minimum(start + split_len, tl.minimum(slots, pos + 1))
@@ -175,12 +175,12 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, o_ptr, lse_ptr, cos_ptr, 
 
 
 @triton.jit
-def _attn_merge_kernel(o_ptr, lse_ptr, out_ptr, pos_ptr, HD, slots, split_len, n_splits,
+def _attn_merge_kernel(o_ptr, lse_ptr, out_ptr, pos_ptr, HD, slots, split_len, n_splits, HQ, pos_stride,
                        BLOCK_SP: tl.constexpr, BLOCK_HD: tl.constexpr):
     """Merge one query head's split results by their log-sum-exps, over the splits that hold written
     slots only (so the cost follows the position, not the cache's capacity), BLOCK_SP splits at a time."""
     qh = tl.program_id(0)  # one query head of one row
-    pos = tl.load(pos_ptr).to(tl.int32)
+    pos = tl.load(pos_ptr + (qh // HQ) * pos_stride).to(tl.int32)
     used = tl.minimum((tl.minimum(slots, pos + 1) + split_len - 1) // split_len, n_splits)
     d = tl.arange(0, BLOCK_HD)
     dm = d < HD
@@ -200,6 +200,15 @@ def _attn_merge_kernel(o_ptr, lse_ptr, out_ptr, pos_ptr, HD, slots, split_len, n
         total = total * scale + tl.sum(w, axis=0)
         top = new_top
     tl.store(out_ptr + qh * HD + d, (acc / total).to(out_ptr.dtype.element_ty), mask=dm)
+
+
+def _pos_stride(pos: Tensor, rows: int) -> int:
+    """The position tensor's stride over rows: 0 for one position shared by every row, 1 for one per row."""
+    if pos.numel() == 1:
+        return 0
+    if pos.numel() != rows or not pos.is_contiguous():
+        raise ValueError(f"positions: one, or one per row ({rows}), contiguous; got {list(pos.shape)}")
+    return 1
 
 
 FULL_WINDOW = 1 << 30  # a full-attention layer: every written slot is within this window
@@ -245,11 +254,11 @@ def _attention(q, k_cache, v_cache, pos, window, config, rope):
     cos, sin = (rope[0], rope[1]) if rope else (o_part, o_part)
     _attn_split_kernel[(N * hkv, n_splits)](
         q, k_cache, v_cache, pos, o_part, lse, cos, sin, hq, hkv, hd, rep, slots, window, split, n_splits,
-        hd ** -0.5, BLOCK_R=max(16, _pow2(rep)), BLOCK_HD=max(16, _pow2(hd)), BLOCK_S=max(16, min(split, block_s)),
+        hd ** -0.5, _pos_stride(pos, N), BLOCK_R=max(16, _pow2(rep)), BLOCK_HD=max(16, _pow2(hd)), BLOCK_S=max(16, min(split, block_s)),
         CHECK_WINDOW=window < slots, IEEE=k_cache.dtype == torch.float32, FUSED_ROPE=rope is not None,
         num_warps=warps)
     out = torch.empty(N, hq, hd, dtype=k_cache.dtype, device=q.device)
-    _attn_merge_kernel[(N * hq,)](o_part, lse, out, pos, hd, slots, split, n_splits,
+    _attn_merge_kernel[(N * hq,)](o_part, lse, out, pos, hd, slots, split, n_splits, hq, _pos_stride(pos, N),
                                   BLOCK_SP=min(16, _pow2(n_splits)), BLOCK_HD=_pow2(hd), num_warps=2)
     return out
 
