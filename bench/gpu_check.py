@@ -12,7 +12,8 @@
    the static step without graphs, the whole-step CUDA graph with cuBLAS GEMVs and with the GEMV choice
    measured per weight shape, and the engine's own loop (graph replay, on-device greedy pick, the token id
    read back each step); achieved bandwidth for the bytes a step reads, against the measured bandwidth.
-   Parity of the graph step against `LaneModel.decode` on the same model.
+   Parity of the graph step against `LaneModel.decode` on the same model. Then 1, 2, 4, 8 and 16
+   separate requests per step (the shared static cache's bucket graphs): ms per step against one.
 
 Every section catches its own failure, so one broken part still leaves the others' numbers. Finishes in
 well under 5 minutes on an H200. Writes JSON (and prints a table last).
@@ -376,6 +377,15 @@ def decode_speed(name: str, cfg: ModelConfig, weights: dict, dev, bw: dict, step
         except Exception:
             out.setdefault("errors", []).append(traceback.format_exc())
 
+        # separate requests in one step: the shared cache's bucket graphs, k requests at their own positions
+        try:
+            out["buckets"] = bucket_steps(model, ids, prompt, steps)
+            log(f"{name}: k separate requests per graph step: " + "; ".join(
+                f"{r['requests']}: {r['ms_per_step']:.3f} ms ({r['vs_one']:.2f}x one, rel |dlogit| "
+                f"{r['max_rel_dlogit']:.1e})" for r in out["buckets"]))
+        except Exception:
+            out.setdefault("errors", []).append(traceback.format_exc())
+
         # the engine's loop: a LocalRunner with the graph step (greedy on device, ids read back per token)
         try:
             runtime = make_runtime("cuda", out["dtype"], graphs=True, compile=False)
@@ -395,6 +405,38 @@ def decode_speed(name: str, cfg: ModelConfig, weights: dict, dev, bw: dict, step
     for e in out.get("errors", []):
         log(f"{name}: ERROR\n{e}")
     return out
+
+
+def bucket_steps(model: LaneModel, ids, prompt: int, steps: int) -> list[dict]:
+    """`StaticDecoder.groups` as the scheduler runs it: k requests (prompts of different lengths, so
+    different positions) in one captured step per bucket; ms per step, and the first step's logits
+    against `LaneModel.decode_groups` on copies of the same caches."""
+    from laneplay.engine.static_step import StaticDecoder
+
+    rows, base = [], None
+    for k in (1, 2, 4, 8, 16):
+        dec = StaticDecoder(model, capacity=prompt + k + steps + 8, graphs=True)
+        own, ref = [], []
+        for i in range(k):
+            own.append(model.prefill(ids[:, :prompt + i], 1, prompt + i + steps + 4)[1])
+            ref.append(model.prefill(ids[:, :prompt + i], 1, prompt + i + steps + 4)[1])
+        tokens = ids[:, :k].T.contiguous()
+        got = dec.groups(tokens, [(prompt + i, c) for i, c in enumerate(own)]).float()  # captures the bucket
+        want = model.decode_groups(tokens, [(prompt + i, c) for i, c in enumerate(ref)]).float()
+        worst = ((got - want).abs().max() / want.abs().max()).item()
+        torch.cuda.synchronize()
+        s_ev, e_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s_ev.record()
+        for s in range(1, steps):
+            dec.groups(tokens, [(prompt + i + s, c) for i, c in enumerate(own)])
+        e_ev.record()
+        e_ev.synchronize()
+        ms = s_ev.elapsed_time(e_ev) / (steps - 1)
+        base = base or ms
+        rows.append({"requests": k, "ms_per_step": ms, "vs_one": ms / base, "max_rel_dlogit": worst})
+        del dec, own, ref
+        torch.cuda.empty_cache()
+    return rows
 
 
 def profile_step(dec, model, ids, toks, prompt, steps) -> list[dict]:

@@ -11,12 +11,11 @@ issue point instead: the same function with the communication exposed.
 Every rank samples the same token from the same gathered logits with the same seeded generators,
 so no per-token broadcast is needed. The front sends each request to all ranks over pipes, turns rank
 0's token stream into text, and watches the ranks: a rank that dies or raises ends the engine with an
-error naming it, and no process is left behind. Requests at once run as rows of one batch on every
-rank (`Rank.serve`: `engine.batch`'s steps, prompt chunks and shared decode steps); rank 0's word to
-the others (how many of the front's messages it has taken: joins, cancels) rides on the per-step
-gather, and every rank applies the same messages at the same step boundary. Where the ranks run the
-CUDA static step (one request's cache), requests run one at a time (`Rank.generate`), and rank 0's
-"stop now" flag rides on the gather instead.
+error naming it, and no process is left behind. Requests run as rows of one batch on every rank
+(`Rank.serve`: `engine.batch`'s steps, prompt chunks and shared decode steps; with the static step,
+its shared cache); rank 0's word to the others (how many of the front's messages it has taken: joins,
+cancels) rides on the per-step gather, and every rank applies the same messages at the same step
+boundary.
 
 With the timeline on, every rank records where its decode steps went (compute, collectives issued,
 delayed waits, "wait now" waits, blocking collectives); at the end of a request the ranks gather
@@ -57,7 +56,6 @@ from laneplay.engine.model import LaneModel
 from laneplay.engine.runner import LocalRunner
 from laneplay.engine.runtime import Runtime
 from laneplay.engine.sampling import RowSampler, SamplingParams
-from laneplay.engine.speculative import plan as plan_speculation
 from laneplay.processes import die_with_parent, free_port
 
 
@@ -100,11 +98,10 @@ class DistLanes:
         self.cfg, self.rank, self.world, self.rows = cfg, rank, world, rows  # rows: this rank's vocab shard
         self.device = torch.device("cpu")  # where flags live for the collective (the rank's device, set by Rank)
         self.wait_now, self.record = wait_now, record
-        # rank 0's word to the others, riding on every per-step gather (`Rank` sets it): a request alone,
-        # 1 when the front asked to stop it; requests in a batch, how many of the front's messages rank 0
-        # has taken (the others take as many at the next step boundary)
+        # rank 0's word to the others, riding on every per-step gather (`Rank` sets it): how many of the
+        # front's messages rank 0 has taken (the others take as many at the next step boundary)
         self.signal = signal
-        self.stopped = False  # set by every rank from rank 0's flag, at the same step
+        self.stopped = False  # agree_stop's answer, the same on every rank
         self.news = 0  # rank 0's messages taken since the last step boundary, as every rank heard it
         self.gathers = 0  # per-step gathers so far (a step boundary without one asks with `exchange_news`)
         self.events: list[tuple[str, float, float]] = []  # (kind, start, end): blocked time on this rank
@@ -119,7 +116,7 @@ class DistLanes:
 
     def _heard(self, flags: Tensor) -> None:
         said = int(round(float(flags.sum().item())))
-        self.stopped, self.gathers = said > 0, self.gathers + 1
+        self.gathers += 1
         self.news += said
 
     def exchange_news(self) -> None:
@@ -204,7 +201,7 @@ class DistLanes:
 
     def verify_logits(self, local: Tensor) -> Tensor:
         """A speculative verify's gather: every rank gets the whole logits [B, S, V] (so every rank keeps
-        the same drafts and rolls back the same positions); rank 0's stop flag rides along, as in `pick`."""
+        the same drafts and rolls back the same positions); rank 0's word rides along, as in `pick`."""
         t0 = time.perf_counter()
         logits, flags = self.gather_logits(local, self._flag(local.device))
         self._heard(flags)
@@ -213,8 +210,8 @@ class DistLanes:
         return logits
 
     def agree_stop(self, should_stop) -> bool:
-        """Between prefill chunks: rank 0 says whether the front asked to stop; every rank hears the same."""
-        wanted = self.rank == 0 and (bool(self.signal()) or (should_stop is not None and bool(should_stop())))
+        """Between prefill chunks: rank 0 says whether `should_stop()`; every rank hears the same."""
+        wanted = self.rank == 0 and should_stop is not None and bool(should_stop())
         flag = torch.tensor([1.0 if wanted else 0.0], device=self.device)
         dist.all_reduce(flag)
         self.stopped = self.stopped or bool(flag.item() > 0)
@@ -224,7 +221,7 @@ class DistLanes:
         """The per-step gather: per-shard top-1 when every row is greedy on the raw logits (no bias, no
         penalty, no logprobs), otherwise whole logits and the request's sampler (which handles rows with
         different settings). Every rank samples the same token with the same seeded generators and the
-        same token history. Rank 0's stop flag rides along, so all ranks leave the loop at the same step."""
+        same token history. Rank 0's word (`signal`) rides along."""
         params = sampler.params
         t0 = time.perf_counter()
         flag = self._flag(local.device)
@@ -265,7 +262,7 @@ class Rank:
         cfg, src = open_checkpoint(path)
         cfg = lanes_config(cfg, runtime.world_size)
         world = runtime.world_size
-        self.rank, self.conn, self.request_id = rank, conn, None
+        self.rank, self.conn = rank, conn
         lanes, rows = rank_lanes(cfg, rank, world), vocab_rows(cfg, rank, world)
         try:
             weights = load_weights(cfg, src, lanes, dtype=runtime.torch_dtype, device=runtime.torch_device,
@@ -277,7 +274,8 @@ class Rank:
 
             weights = pack_weights(weights, runtime.weight_format)
         self.pending: deque = deque()  # the front's messages taken and not yet acted on (in batches)
-        self.comm = DistLanes(cfg, rank, world, rows, wait_now=wait_now, record=record, signal=self._cancel_requested)
+        self.comm = DistLanes(cfg, rank, world, rows, wait_now=wait_now, record=record,
+                              signal=self._take_messages if rank == 0 else (lambda: 0))
         self.comm.device = runtime.torch_device
         self.runner = LocalRunner(LaneModel(cfg, weights, lanes, self.comm), runtime)
         self.layer_bytes = sum(t.nbytes for k, t in weights.items() if k.startswith("layers."))
@@ -288,15 +286,8 @@ class Rank:
         return {"lanes": [self.lanes.start, self.lanes.stop], "layer_bytes": self.layer_bytes,
                 "head_bytes": self.head_bytes, "vocab_rows": [self.rows.start, self.rows.stop], "pid": os.getpid()}
 
-    def _cancel_requested(self) -> int:
-        while self.conn.poll():
-            msg = self.conn.recv()
-            if msg[0] == "cancel" and msg[1] == self.request_id:
-                return 1
-        return 0
-
     def _take_messages(self) -> int:
-        """Rank 0, requests in a batch: take what the front sent since the last look; how many."""
+        """Rank 0: take what the front sent since the last look; how many (`serve`)."""
         k = 0
         while self.conn.poll():
             self.pending.append(self.conn.recv())
@@ -305,26 +296,6 @@ class Rank:
 
     def logits(self, ids) -> Tensor:
         return self.runner.logits(torch.tensor(ids, dtype=torch.long)).cpu()
-
-    def generate(self, rid, ids, params: SamplingParams, seeds, eos_ids, speculative: str = "off"):
-        """One request on this rank. speculative: every rank plans the same speculation and drafts, verifies
-        and keeps the same tokens (the verify's logits are gathered whole on every rank); rank 0 sends its
-        counts with every step's tokens, so the front's metrics say what ran."""
-        self.request_id = rid
-        self.comm.begin_request()
-        spec = plan_speculation(speculative, self.runner, ids, params)
-        steps = self.runner.token_steps(ids, params, seeds, eos_ids, should_stop=lambda: self.comm.stopped,
-                                        spec=spec if spec.active else None)
-        asked = speculative != "off"  # else the front keeps no speculation to copy counts into
-        for host, t, logprobs in steps:
-            if self.rank == 0:
-                self.conn.send(("tokens", rid, host, t, logprobs, spec.counts() if asked else None))
-        timelines = None
-        if self.comm.record:  # every rank's summary to rank 0 (all ranks leave the loop at the same step)
-            timelines = [None] * self.comm.world if self.rank == 0 else None
-            dist.gather_object(self.timeline_summary(), timelines, dst=0)
-        if self.rank == 0:
-            self.conn.send(("done", rid, timelines))
 
     def serve(self, first) -> list:
         """Requests as rows of one batch (`engine.batch`, as the single-process scheduler runs them) until
@@ -338,7 +309,6 @@ class Rank:
         "cancel" ends it there. Every rank runs the same steps, samples the same tokens with the same
         seeded generators and speculates alike, so rows finish at the same step everywhere; rank 0
         streams each request's tokens and its "done" to the front."""
-        self.comm.signal = self._take_messages
         self.pending.append(first)
         seqs: dict[int, tuple] = {}  # rid -> (Sequence, whether it asked for speculation)
         held: list = []
@@ -359,7 +329,6 @@ class Rank:
                         self.pending.append(self.conn.recv())
                 self.comm.news = 0
         finally:
-            self.comm.signal = self._cancel_requested
             self.pending.clear()
 
     def _apply(self, seqs: dict, held: list) -> None:
@@ -503,10 +472,7 @@ def rank_main(rank: int, address: str, port: int, timeout_s: float, runtime: Run
                 out = here.logits(msg[1])
                 if rank == 0:  # numpy pickles by value (torch tensors would go through fd sharing)
                     conn.send(("logits", out.numpy()))
-            elif kind == "generate":  # params: asdict(SamplingParams); per-sample dicts are rebuilt by it
-                _, rid, ids, params, seeds, eos_ids, speculative = msg
-                here.generate(rid, ids, SamplingParams(**params), seeds, set(eos_ids), speculative)
-            elif kind == "join":  # the same, as a row of the rank's batch (`Rank.serve`)
+            elif kind == "join":  # a request: it runs as rows of the rank's batch (`Rank.serve`)
                 backlog.extend(here.serve(msg))
             # a "cancel" for a request that already ended needs nothing
     except (EOFError, KeyboardInterrupt, BrokenPipeError):
@@ -538,9 +504,8 @@ class DTPRunner:
                  timeout_s: float = 60.0):
         self.runtime, self.world_size, self.timeout_s = runtime, runtime.world_size, timeout_s
         # Requests at once: the ranks run them as rows of one batch (`Rank.serve`), each streamed by its
-        # own `token_steps` (in its own thread); the ranks' static step (CUDA) holds one request's
-        # cache, so there they run one at a time
-        self.batches_itself = not runtime.graphs
+        # own `token_steps` (in its own thread)
+        self.batches_itself = True
         self._send_lock, self._recv_lock = threading.Lock(), threading.Lock()
         self._boxes: dict[int, deque] = {}  # rank 0's messages for each running request, not yet read
         self.on_step = None  # (rows, seconds) of each of the ranks' shared decode steps (the server's metrics)
@@ -720,16 +685,15 @@ class DTPRunner:
         rid = next(self._ids)
         self._boxes[rid] = deque()
         self._here.rid = rid
-        # joined to the ranks' batch, a cancel goes to every rank (each applies it at the same step boundary);
-        # a request alone listens for it on rank 0 only
-        kind, cancel_to = ("join", None) if self.batches_itself else ("generate", [0])
-        self._send((kind, rid, ids, asdict(params), seeds, sorted(eos_ids), spec.mode if spec else "off"))
+        # params: asdict(SamplingParams) (per-sample dicts are rebuilt by it); a cancel goes to every rank,
+        # and each applies it at the same step boundary
+        self._send(("join", rid, ids, asdict(params), seeds, sorted(eos_ids), spec.mode if spec else "off"))
         cancel_sent = finished = False
 
         def check_stop():  # also while the ranks are busy in a long prefill and nothing arrives
             nonlocal cancel_sent
             if should_stop is not None and not cancel_sent and should_stop():
-                self._send(("cancel", rid), ranks=cancel_to)
+                self._send(("cancel", rid))
                 cancel_sent = True
 
         try:
@@ -746,7 +710,7 @@ class DTPRunner:
         finally:
             if not finished and not self._failure:  # the consumer stopped early: stop the ranks too
                 if not cancel_sent:
-                    self._send(("cancel", rid), ranks=cancel_to)
+                    self._send(("cancel", rid))
                 while (msg := self._next(rid))[:2] != ("done", rid):
                     pass
                 self.last_timeline = self._timeline(msg[2])

@@ -7,6 +7,7 @@ turned into tokens (`comm.pick`: a plain sample locally, a gather of vocab shard
 """
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Callable, Iterator
 
@@ -80,9 +81,9 @@ class LocalRunner:
     # -- several requests at once (the scheduler's iteration-level batches) --
     @property
     def batchable(self) -> bool:
-        """Whether separate requests may share decode steps here: one process, no static step (the CUDA
-        graphs are captured for one request's cache)."""
-        return self.world_size == 1 and self.static is None and self.model is not None
+        """Whether separate requests may share decode steps here: one process (with the static step, their
+        rows share its cache and a graph per bucket: `StaticDecoder.groups`)."""
+        return self.world_size == 1 and self.model is not None
 
     def prefill_steps(self, ids: list[int], n: int, max_seq_len: int, prefixes=None):
         """One request's prefill, a chunk per step (see `LaneModel.prefill_steps`): (the steps, how many
@@ -118,7 +119,21 @@ class LocalRunner:
     def decode_groups(self, tokens: Tensor, groups: list) -> Tensor:
         """One decode step for several requests: groups [(pos, cache)] -> logits [B, V]."""
         t0 = time.perf_counter()
-        out = self.model.decode_groups(tokens, groups)
+        inside = self.static.inside(groups) if self.static is not None else [False] * len(groups)
+        if all(inside):
+            out = self.static.groups(tokens, groups)
+        elif not any(inside):
+            out = self.model.decode_groups(tokens, groups)
+        else:  # some in the static step's shared cache, the others on their own caches
+            edges = [0, *itertools.accumulate(c.batch for _, c in groups)]
+            part = {flag: [i for i, f in enumerate(inside) if f == flag] for flag in (True, False)}
+            logits = {}
+            for flag, run in ((True, self.static.groups), (False, self.model.decode_groups)):
+                rows = torch.cat([tokens[edges[i]:edges[i + 1]] for i in part[flag]])
+                for i, x in zip(part[flag], run(rows, [groups[i] for i in part[flag]]).split(
+                        [groups[i][1].batch for i in part[flag]])):
+                    logits[i] = x
+            out = torch.cat([logits[i] for i in range(len(groups))])
         self.comm.note_step(t0, time.perf_counter())
         return out
 
@@ -148,13 +163,15 @@ class LocalRunner:
     def warm_up(self, batches: tuple[int, ...] = (1, 2)) -> None:
         """Prefill and run decode steps at each batch size: compiles the blocks' one-row and many-row
         graphs (`LaneModel.compile_blocks`; every later batch size, position and cache length reuses
-        them), or captures the static step's graphs."""
+        them), or captures the static step's graphs (and those of its buckets of separate requests)."""
         ids = torch.ones(1, 4, dtype=torch.long, device=self.device)
         for n in batches:
             self.prefill(ids, n, 8)
             for pos in (4, 5, 6):
                 self.decode_step(torch.ones(n, 1, dtype=torch.long, device=self.device), pos)
         self.cache = None
+        if self.static is not None:
+            self.static.warm_buckets()  # separate requests' shared steps
 
     def close(self) -> None:
         self.model = self.cache = self.static = None

@@ -1,13 +1,14 @@
 """The request scheduler: iteration-level batching, latency first.
 
 One worker thread runs the engine. Where the engine's runner can put separate requests in one step
-(one process, no static CUDA step: `LocalRunner.batchable`), the worker runs iterations: at each step
+(one process: `LocalRunner.batchable`; with the CUDA static step, their rows share its cache and a
+graph per bucket of rows), the worker runs iterations: at each step
 boundary finished or cancelled requests leave and waiting ones join; a joining prompt is prefilled a
 chunk at a time (at most `prefill_budget` prompt tokens per iteration), and then every decoding request
 gets one token in one shared forward (`engine.batch`). A request's tokens do not depend on who else is
 in the batch. DTP ranks batch requests themselves (`DTPRunner.batches_itself`: the same steps, run on
-every rank): there each running request streams through a thread of its own. Where the CUDA static
-step holds one request's cache, requests run one at a time, in order.
+every rank): there each running request streams through a thread of its own. A runner that can do
+neither runs requests one at a time, in order.
 
 Admission, stated as policy:
 - interactive requests (the default) join before batch ones (`priority="batch"`: pass@N jobs, evals),
@@ -249,8 +250,8 @@ class Scheduler:
         job.push(_DONE)
         self._finished(job)
 
-    # ---- requests not batched here: one at a time (the CUDA static step), or each in a thread of its own
-    # while the runner batches them itself (DTP ranks: `DTPRunner.batches_itself`) ----
+    # ---- requests not batched here: each in a thread of its own while the runner batches them itself
+    # (DTP ranks: `DTPRunner.batches_itself`), or one at a time ----
     def _work(self) -> None:
         """One at a time: each job runs here, to its end. Batched by the runner: each admitted job streams
         through `_run` in a thread of its own while the ranks put the running requests' rows in one step;

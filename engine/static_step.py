@@ -1,4 +1,5 @@
-"""The CUDA decode step: static buffers, the position on the device, one CUDA graph per batch size.
+"""The CUDA decode step: static buffers, the position on the device, one CUDA graph per batch size, and
+for separate requests in one step a shared static cache with one graph per bucket of rows (`groups`).
 
 `StaticDecoder` runs the same function as `LaneModel.decode` (docs/laneformer.md §3-§7, all lanes in this
 process) through the kernels of `laneplay.kernels` over buffers whose addresses never change: a KV
@@ -17,6 +18,7 @@ comm (blocking for PRESENT layers, issued and waited for d layers later otherwis
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +42,19 @@ class _Batch:
     graph: object = None
     logits: Tensor | None = None  # the captured step's output buffer
     loaded: bool = field(default=False)
+    cache_rows: tuple[int, int] | None = None  # a bucket of the shared cache: (its rows, the cache's rows) per lane
+
+
+BUCKETS = (1, 2, 4, 8, 16)  # the row counts separate requests' steps are captured for (padded up to one)
+
+
+@dataclass
+class _Resident:
+    """A request's rows in the shared cache."""
+
+    row: int
+    n: int
+    next_pos: int  # where its next step writes (a step it sits out writes its row's next slot, unread)
 
 
 class StaticDecoder:
@@ -65,6 +80,12 @@ class StaticDecoder:
         self.fused_rope = False  # RoPE + KV write inside the attention kernel (where measured faster)
         self.batches: dict[int, _Batch] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        # separate requests' steps (`groups`): their rows in one shared cache, a bucket batch per row count
+        self.shared: KVCache | None = None
+        self.shared_rows = 0
+        self.buckets: dict[int, _Batch] = {}
+        self.resident: dict[int, _Resident] = {}  # id of a request's own cache -> its rows
+        self._gone: list[int] = []  # requests whose caches were dropped (their rows free at the next step)
         L, D = len(model.lanes), self.cfg.hidden_size
         self._norm = lambda w: w.reshape(L, D) if w.dim() == 4 else w  # lane norms are stored [L, 1, 1, D]
 
@@ -107,6 +128,123 @@ class StaticDecoder:
             dst[:, :, :src.shape[2]].copy_(src)
         b.loaded = True
 
+    # -- separate requests in one step (the scheduler's batches) ---------------------------------------
+    def _shared_cache(self) -> int:
+        """Rows per lane of the shared cache (made on first use): the largest bucket within the KV budget."""
+        if self.shared is None:
+            fit = [b for b in BUCKETS if not self.kv_budget_bytes or self.cache_bytes(b) <= self.kv_budget_bytes]
+            self.shared_rows = fit[-1] if fit else 0
+            if self.shared_rows:
+                self.shared = self.model.new_cache(self.shared_rows, self.capacity)
+        return self.shared_rows
+
+    def _bucket(self, rows: int) -> _Batch:
+        n = next(b for b in BUCKETS if b >= rows)
+        b = self.buckets.get(n)
+        if b is None:
+            m, L = self.model, len(self.model.lanes)
+            b = _Batch(n=n, cache=self.shared, tokens=torch.zeros(n, dtype=torch.long, device=m.device),
+                       pos=torch.zeros(L * n, dtype=torch.long, device=m.device),
+                       h=torch.zeros(L, n, self.cfg.hidden_size, dtype=m.dtype, device=m.device),
+                       loaded=True, cache_rows=(n, self.shared_rows))
+            self.buckets[n] = b
+        return b
+
+    @property
+    def rows_held(self) -> int:
+        """Rows of the shared cache that running requests hold."""
+        return sum(r.n for key, r in self.resident.items() if key not in self._gone)
+
+    def warm_buckets(self) -> None:
+        """Capture every bucket's graph now (at load), never inside a request. No request holds rows yet,
+        so what the warm-up steps write is read by no one."""
+        if not self.graphs or not self._shared_cache() or self.rows_held:
+            return
+        for n in BUCKETS:
+            if n <= self.shared_rows and self._bucket(n).graph is None:
+                self._capture(self._bucket(n))
+
+    def inside(self, groups: list) -> list[bool]:
+        """Which of these requests step in the shared cache: the resident ones, and in order those that
+        come for the first time while their rows fit (and their length the capacity). The others step
+        through `LaneModel.decode_groups` on their own caches, now and later."""
+        if not self._shared_cache():
+            return [False] * len(groups)
+        rows, out = self.rows_held, []
+        for _, cache in groups:
+            fits = id(cache) in self.resident and id(cache) not in self._gone
+            if not fits and cache.max_seq_len <= self.capacity and rows + cache.batch <= self.shared_rows:
+                fits, rows = True, rows + cache.batch
+            out.append(fits)
+        return out
+
+    def _arrange(self, groups: list) -> None:
+        """Free the rows of requests that ended, close the gaps (rows move down, in order), and copy each
+        request that comes for the first time into the rows after the last."""
+        for key in self._gone:
+            self.resident.pop(key, None)
+        self._gone.clear()
+        L, c = len(self.model.lanes), self.shared_rows
+        row = 0
+        for r in sorted(self.resident.values(), key=lambda r: r.row):
+            if r.row != row:
+                for t in self.shared.k + self.shared.v:
+                    rows = t.view(L, c, *t.shape[1:])
+                    rows[:, row:row + r.n] = rows[:, r.row:r.row + r.n].clone()
+                r.row = row
+            row += r.n
+        for pos, cache in groups:
+            if id(cache) in self.resident:
+                continue
+            for dst, src in zip(self.shared.k + self.shared.v, cache.k + cache.v):
+                rows = dst.view(L, c, *dst.shape[1:])
+                rows[:, row:row + cache.batch, :, :src.shape[2]] = src.view(L, cache.batch, *src.shape[1:])
+            self.resident[id(cache)] = _Resident(row, cache.batch, pos)
+            weakref.finalize(cache, self._gone.append, id(cache))
+            cache.k, cache.v = [], []  # its KV lives in the shared cache now (and `inside` keeps it there)
+            row += cache.batch
+
+    @torch.inference_mode()
+    def groups(self, tokens: Tensor, groups: list) -> Tensor:
+        """One decode step for separate requests: groups [(pos, cache)], cache i the request's own (from its
+        prefill) holding the next rows of tokens [B, 1] -> logits [B, V], in the groups' order.
+
+        The first time a request comes, its cache is copied into rows of the shared cache, which hold its
+        KV from then on (its own cache is not written again; its rows are freed when that cache is
+        dropped). The step runs every resident row in the smallest bucket that holds them, padded (on
+        CUDA one captured graph per bucket); a resident request that sits this step out runs too, at its
+        next position, whose slot its own next step rewrites before any read. Every group must be
+        `inside`."""
+        if not all(self.inside(groups)):
+            raise ValueError("these requests do not all step in the shared static cache")
+        self._arrange(groups)
+        used = sum(r.n for r in self.resident.values())
+        b = self._bucket(used)
+        L = len(self.model.lanes)
+        tok = torch.zeros(b.n, dtype=torch.long, device=b.tokens.device)
+        pos = torch.zeros(b.n, dtype=torch.long)
+        for r in self.resident.values():
+            pos[r.row:r.row + r.n] = r.next_pos
+        where, a = [], 0
+        for p, cache in groups:
+            r = self.resident[id(cache)]
+            if p != r.next_pos:
+                raise ValueError(f"a request at position {r.next_pos} was asked to step at {p}")
+            tok[r.row:r.row + r.n] = tokens[a:a + r.n, 0]
+            where += range(r.row, r.row + r.n)
+            a += r.n
+            r.next_pos += 1
+        b.tokens.copy_(tok)
+        b.pos.copy_(pos.to(b.pos.device).repeat(L))
+        if not self.graphs:
+            logits = self._forward(b)
+        else:
+            if b.graph is None:
+                self._capture(b)
+            b.graph.replay()
+            logits = b.logits
+        return logits[torch.tensor(where, device=logits.device)]
+
     @torch.inference_mode()
     def step(self, tokens: Tensor, pos: int) -> Tensor:
         """tokens [n, 1] at position pos -> logits [n, V] (a fresh tensor)."""
@@ -147,15 +285,16 @@ class StaticDecoder:
         return torch.bmm(x, w.transpose(1, 2))
 
     def _attention(self, qkv: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, window: int | None,
-                   config=None, fused: bool | None = None) -> Tensor:
-        """RoPE on q and k, the KV write, attention over the cache: two kernels, or one where measured faster."""
+                   config=None, fused: bool | None = None, cache_rows=None) -> Tensor:
+        """RoPE on q and k, the KV write, attention over the cache: two kernels, or one where measured faster.
+        pos: one position, or one per row; cache_rows: a bucket's rows of the shared cache (see ops)."""
         cfg, m = self.cfg, self.model
         config = config if config is not None else self.attention_config
         args = (qkv, m.cos, m.sin, pos, kc, vc, cfg.heads_per_lane, cfg.kv_heads_per_lane, cfg.head_dim)
         if self.fused_rope if fused is None else fused:
-            return ops.rope_attention(*args, window, impl=self.impl, config=config)
-        q = ops.rope_kv_write(*args, impl=self.impl)
-        return ops.decode_attention(q, kc, vc, pos, window, impl=self.impl, config=config)
+            return ops.rope_attention(*args, window, impl=self.impl, config=config, cache_rows=cache_rows)
+        q = ops.rope_kv_write(*args, impl=self.impl, cache_rows=cache_rows)
+        return ops.decode_attention(q, kc, vc, pos, window, impl=self.impl, config=config, cache_rows=cache_rows)
 
     def _reduce(self, i: int, kind: str, h: Tensor, x: Tensor, saved: dict, next_norm: Tensor | None):
         """h += what layer i's sub-block adds (docs/laneformer.md §4), in place; returns the next sub-block's normed input.
@@ -201,7 +340,8 @@ class StaticDecoder:
         saved: dict = {}
         for i, w in enumerate(m.layers):
             qkv = self._linear(x, w.wqkv)
-            o = self._attention(qkv.view(L * n, -1), b.cache.k[i], b.cache.v[i], b.pos, cfg.window(i))
+            o = self._attention(qkv.view(L * n, -1), b.cache.k[i], b.cache.v[i], b.pos, cfg.window(i),
+                                cache_rows=b.cache_rows)
             x = self._reduce(i, "attention", h, self._linear(o.view(L, n, hq * hd), w.wo), saved, w.ffn_norm)
             gu = self._linear(x, w.w13)
             y = ops.swiglu(gu.view(L * n, -1), impl=impl).view(L, n, -1)
@@ -303,7 +443,7 @@ class StaticDecoder:
 
     def reset_graphs(self) -> None:
         """Drop every captured graph (the next step recaptures) and start a fresh memory pool for them."""
-        for b in self.batches.values():
+        for b in (*self.batches.values(), *self.buckets.values()):
             b.graph = None
         if self.graphs:
             self.pool = torch.cuda.graph_pool_handle()

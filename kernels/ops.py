@@ -46,26 +46,30 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, out_dtype=None, *, impl: str
     return _impl("rms_norm", x, impl)(x, weight, eps, out_dtype)
 
 
+# pos: one position for every row, or one per row (separate requests in one step); cache_rows (b, c): row
+# lane * b + i uses cache row lane * c + i of a pool of c rows per lane (the CUDA step's batch buckets)
+
 def rope_kv_write(qkv, cos, sin, pos, k_cache, v_cache, num_q_heads, num_kv_heads, head_dim, *,
-                  impl: str | None = None) -> Tensor:
+                  impl: str | None = None, cache_rows=None) -> Tensor:
     return _impl("rope_kv_write", qkv, impl)(qkv, cos, sin, pos, k_cache, v_cache, num_q_heads, num_kv_heads,
-                                             head_dim)
+                                             head_dim, cache_rows)
 
 
-def decode_attention(q, k_cache, v_cache, pos, window, *, impl: str | None = None, config=None) -> Tensor:
+def decode_attention(q, k_cache, v_cache, pos, window, *, impl: str | None = None, config=None,
+                     cache_rows=None) -> Tensor:
     """config: the Triton kernel's (split length, keys per block, warps), measured by the CUDA step."""
     if choose(q, impl) == "triton":
-        return triton_module().decode_attention(q, k_cache, v_cache, pos, window, config)
-    return reference.decode_attention(q, k_cache, v_cache, pos, window)
+        return triton_module().decode_attention(q, k_cache, v_cache, pos, window, config, cache_rows)
+    return reference.decode_attention(q, k_cache, v_cache, pos, window, cache_rows)
 
 
 def rope_attention(qkv, cos, sin, pos, k_cache, v_cache, num_q_heads, num_kv_heads, head_dim, window, *,
-                   impl: str | None = None, config=None) -> Tensor:
+                   impl: str | None = None, config=None, cache_rows=None) -> Tensor:
     """`rope_kv_write` + `decode_attention` fused (one kernel and the merge on Triton)."""
     args = (qkv, cos, sin, pos, k_cache, v_cache, num_q_heads, num_kv_heads, head_dim, window)
     if choose(qkv, impl) == "triton":
-        return triton_module().rope_attention(*args, config)
-    return reference.rope_attention(*args)
+        return triton_module().rope_attention(*args, config, cache_rows)
+    return reference.rope_attention(*args, cache_rows)
 
 
 def swiglu(gate_up: Tensor, *, impl: str | None = None) -> Tensor:

@@ -37,11 +37,12 @@ def slot_positions(pos, slots: int, device=None) -> Tensor:
 
 
 def rope_kv_write(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
-                  num_q_heads: int, num_kv_heads: int, head_dim: int) -> Tensor:
+                  num_q_heads: int, num_kv_heads: int, head_dim: int, cache_rows=None) -> Tensor:
     """Interleaved-pair RoPE (docs/laneformer.md §3) on the q and k heads of qkv [N, (Hq + 2 Hkv) * hd] at position
     `pos` (a one-element integer tensor, or one position per row: separate requests in one step); k and v
     go into slot pos % slots of the caches [N, Hkv, slots, hd] (the ring-buffer slot on sliding-window
-    layers). Returns rotated q [N, Hq, hd]."""
+    layers; with cache_rows (b, c), row lane * b + i goes into cache row lane * c + i of a pool of c rows
+    per lane). Returns rotated q [N, Hq, hd]."""
     N = qkv.shape[0]
     p = _row_positions(pos, N)
     heads = qkv.view(N, num_q_heads + 2 * num_kv_heads, head_dim)
@@ -49,10 +50,19 @@ def rope_kv_write(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: T
     x0, x1 = qk[..., 0], qk[..., 1]
     c, s = cos[p].float()[:, None], sin[p].float()[:, None]  # [N, 1, hd / 2]
     rot = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2).to(qkv.dtype)
-    rows, slot = torch.arange(N, device=qkv.device), p % k_cache.shape[2]
+    rows, slot = _cache_row_index(N, cache_rows, qkv.device), p % k_cache.shape[2]
     k_cache[rows, :, slot] = rot[:, num_q_heads:]
     v_cache[rows, :, slot] = heads[:, num_q_heads + num_kv_heads:]
     return rot[:, :num_q_heads].contiguous()
+
+
+def _cache_row_index(rows: int, cache_rows, device) -> Tensor:
+    """The cache row of each row: itself, or with cache_rows (b, c) lane * c + i for row lane * b + i."""
+    r = torch.arange(rows, device=device)
+    if cache_rows is None:
+        return r
+    b, c = cache_rows
+    return r // b * c + r % b
 
 
 def _row_positions(pos: Tensor, rows: int) -> Tensor:
@@ -63,13 +73,17 @@ def _row_positions(pos: Tensor, rows: int) -> Tensor:
     return p.expand(rows)
 
 
-def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, window: int | None) -> Tensor:
+def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, window: int | None,
+                     cache_rows=None) -> Tensor:
     """One query per row over the visible cached keys: q [N, Hq, hd], caches [N, Hkv, slots, hd] ->
     [N, Hq, hd]. GQA: query head h reads KV head h // (Hq / Hkv). A key is visible when its slot holds
     a position j with pos - window < j <= pos (any j <= pos on a full layer); pos: one for all rows, or
     one per row. Scores and softmax in float32; probabilities rounded to the cache dtype before they
     weight the values, as in the model."""
     N, hq, hd = q.shape
+    if cache_rows is not None:  # the rows' own cache rows of a pool (see rope_kv_write)
+        index = _cache_row_index(N, cache_rows, q.device)
+        k_cache, v_cache = k_cache[index], v_cache[index]
     hkv, slots = k_cache.shape[1], k_cache.shape[2]
     p = _row_positions(pos, N)[:, None]  # [N, 1]
     held = slot_positions(p, slots, q.device)  # [N, slots]
@@ -85,10 +99,10 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, w
 
 
 def rope_attention(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
-                   num_q_heads: int, num_kv_heads: int, head_dim: int, window: int | None) -> Tensor:
+                   num_q_heads: int, num_kv_heads: int, head_dim: int, window: int | None, cache_rows=None) -> Tensor:
     """RoPE + KV write, then attention over the cache (what the fused kernel does in one pass)."""
-    q = rope_kv_write(qkv, cos, sin, pos, k_cache, v_cache, num_q_heads, num_kv_heads, head_dim)
-    return decode_attention(q, k_cache, v_cache, pos, window)
+    q = rope_kv_write(qkv, cos, sin, pos, k_cache, v_cache, num_q_heads, num_kv_heads, head_dim, cache_rows)
+    return decode_attention(q, k_cache, v_cache, pos, window, cache_rows)
 
 
 def swiglu(gate_up: Tensor) -> Tensor:

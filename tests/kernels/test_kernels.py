@@ -107,35 +107,41 @@ def test_rope_attention_fused(dtype, N, hq, hkv, hd, slots, pos, window, config)
     assert rel_err(kc, kr) <= TOL[dtype] and torch.equal(vc, vr)
 
 
+@pytest.mark.parametrize("pool", [False, True])
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("slots,window,positions", [
     (48, None, [3, 40, 17, 0]),       # a full layer: each row sees its own prefix
     (8, 8, [5, 30, 9, 12]),           # ring buffers: one not yet full, the others wrapped
     (16, 8, [2, 21, 15, 7]),          # a ring larger than the window
 ])
-def test_one_position_per_row_is_each_rows_own_step(fused, slots, window, positions):
+def test_one_position_per_row_is_each_rows_own_step(pool, fused, slots, window, positions):
     """Separate requests in one step (the CUDA step's batch buckets): row n at positions[n] writes and
     reads its own cache row as a step of its own at that position would, in the Triton kernels and the
-    torch reference alike."""
+    torch reference alike. pool: two lanes of two rows each, in a pool of three cache rows per lane (row
+    lane * 2 + i is cache row lane * 3 + i; the pool's third rows stay as they were)."""
     N, hq, hkv, hd = len(positions), 4, 2, 16
-    qkv, cos, sin, _, (kc, vc) = _rope_case(torch.float32, N, hq, hkv, hd, slots, 0, seed=slots)
+    cache_rows = (2, 3) if pool else None
+    own = [n // 2 * 3 + n % 2 for n in range(N)] if pool else list(range(N))  # each row's cache row
+    qkv, cos, sin, _, (kc, vc) = _rope_case(torch.float32, 6 if pool else N, hq, hkv, hd, slots, 0, seed=slots)
+    qkv = qkv[:N]
     per_row = torch.tensor(positions)
     alone_k, alone_v, alone = kc.clone(), vc.clone(), []
     for n, pos in enumerate(positions):  # each row as a step of its own
-        k1, v1 = alone_k[n:n + 1], alone_v[n:n + 1]
+        k1, v1 = alone_k[own[n]:own[n] + 1], alone_v[own[n]:own[n] + 1]
         alone.append(reference.rope_attention(qkv[n:n + 1], cos, sin, torch.tensor([pos]), k1, v1, hq, hkv, hd, window))
     alone = torch.cat(alone)
     for impl in ("triton", "torch"):
         k, v = kc.clone(), vc.clone()
         if fused:
-            got = ops.rope_attention(qkv, cos, sin, per_row, k, v, hq, hkv, hd, window, impl=impl)
+            got = ops.rope_attention(qkv, cos, sin, per_row, k, v, hq, hkv, hd, window, impl=impl, cache_rows=cache_rows)
         else:
-            q = ops.rope_kv_write(qkv, cos, sin, per_row, k, v, hq, hkv, hd, impl=impl)
-            got = ops.decode_attention(q, k, v, per_row, window, impl=impl)
+            q = ops.rope_kv_write(qkv, cos, sin, per_row, k, v, hq, hkv, hd, impl=impl, cache_rows=cache_rows)
+            got = ops.decode_attention(q, k, v, per_row, window, impl=impl, cache_rows=cache_rows)
         assert rel_err(got, alone) <= 3e-5, impl
         assert rel_err(k, alone_k) <= 1e-6 and torch.equal(v, alone_v), impl
     with pytest.raises(ValueError, match="one per row"):
-        ops.decode_attention(qkv.view(N, -1, hd)[:, :hq], kc, vc, per_row[:2], window, impl="triton")
+        ops.decode_attention(qkv.view(N, -1, hd)[:, :hq], kc, vc, per_row[:2], window, impl="triton",
+                             cache_rows=cache_rows)
 
 
 def test_decode_attention_reads_only_visible_slots():

@@ -122,3 +122,94 @@ def test_dtp_ranks_decode_through_the_static_step(tmp_path):
             want = [t for t, _, _ in single.runner.token_steps(ids, params, [5, 6, 7], single.eos_ids)]
             got = [t for t, _, _ in dtp.runner.token_steps(ids, params, [5, 6, 7], dtp.eos_ids)]
             assert got == want, kw
+
+
+def _shared_case(eng, impl, plan, capacity=48):
+    """Separate requests through `StaticDecoder.groups` against each request's own `LaneModel.decode`.
+    plan: per step, the requests in it; a request is (name, prompt length, samples), prefilled when it
+    first appears; one absent from a later step sits it out (or, when it never comes back, ends: its
+    cache is dropped and its rows freed)."""
+    import gc
+
+    model, worst = eng.model, 0.0
+    dec = StaticDecoder(model, capacity=capacity, graphs=False, impl=impl)
+    gen = torch.Generator().manual_seed(7)
+    own, ref, pos = {}, {}, {}
+    last = {name: max(i for i, step in enumerate(plan) if any(r[0] == name for r in step))
+            for step in plan for name, _, _ in step}
+    for i, step in enumerate(plan):
+        for name, prompt, n in step:
+            if name not in own:
+                ids = torch.randint(0, eng.cfg.vocab_size, (1, prompt), generator=gen)
+                own[name] = model.prefill(ids, n, 40)[1]
+                ref[name], pos[name] = KV_copy(own[name]), prompt
+        tokens = torch.randint(0, eng.cfg.vocab_size, (sum(n for _, _, n in step), 1), generator=gen)
+        got = dec.groups(tokens, [(pos[name], own[name]) for name, _, _ in step])
+        a = 0
+        for name, _, n in step:
+            want = model.decode(tokens[a:a + n], pos[name], ref[name])
+            worst = max(worst, ((got[a:a + n] - want).abs().max() / want.abs().max()).item())
+            a, pos[name] = a + n, pos[name] + 1
+        for name in [k for k in own if last[k] == i]:  # its request ended: the cache goes, its rows free
+            del own[name]
+        gc.collect()
+    return worst, dec
+
+
+def test_separate_requests_share_the_static_step_torch(tmp_path):
+    """Requests join (prefilled, copied into the shared cache), sit steps out, end (their rows freed, the
+    rows above them moved down) and new ones take the room, at positions on both sides of the window (8:
+    rings wrap); every request's logits are those of its own decode steps."""
+    eng = engine_for(tmp_path, CONFIGS["delay 2, early comm"])
+    A, B, C, D = ("a", 5, 1), ("b", 9, 2), ("c", 3, 1), ("d", 12, 1)
+    plan = [[A], [A, B], [A, B, C], [B, C], [A, C], [A, B, C], [C, D], [D, C], [D]]
+    worst, dec = _shared_case(eng, "torch", plan)
+    assert worst <= 1e-4, f"max relative |Δlogit| {worst:.3g}"
+    assert set(dec.buckets) == {1, 2, 4} and dec.rows_held == 0  # padded to buckets; every request ended
+
+
+def test_separate_requests_share_the_static_step_triton_interpreted(tmp_path):
+    eng = engine_for(tmp_path, CONFIGS["delay 1, vocab-parallel head, GQA 3"])
+    worst, _ = _shared_case(eng, "triton", [[("a", 7, 1), ("b", 3, 2)], [("b", 3, 2), ("a", 7, 1)]])
+    assert worst <= 1e-4, f"max relative |Δlogit| {worst:.3g}"
+
+
+def test_a_static_engine_batches_separate_requests_and_keeps_their_tokens(tmp_path):
+    import asyncio
+
+    from laneplay.engine.sampling import SamplingParams
+    from laneplay.engine.scheduler import STARTED, Queued, Scheduler
+
+    raw = tiny_laneformer_config()
+    write_checkpoint(tmp_path / "ckpt", raw, random_laneformer_tensors(raw, seed=6))
+    plain, static = load_engine(tmp_path / "ckpt"), load_engine(tmp_path / "ckpt", graphs=True)
+    requests = [("abc", SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)),
+                ("hello there", SamplingParams(max_tokens=9, temperature=0.9, n=2, seed=4, ignore_eos=True)),
+                ("x", SamplingParams(max_tokens=20, temperature=0.7, top_k=5, seed=1, ignore_eos=True))]
+
+    def alone(prompt, params):
+        out = {}
+        for ev in plain.generate(prompt, params):
+            out.setdefault(ev.sample_index, []).extend(ev.token_ids)
+        return out
+
+    async def together():
+        sched = Scheduler(static)
+        assert sched.batched
+        sched.start()
+
+        async def collect(job):
+            out = {}
+            async for ev in job.stream():
+                if ev is not STARTED and not isinstance(ev, Queued):
+                    out.setdefault(ev.sample_index, []).extend(ev.token_ids)
+            return out, job
+        try:
+            return await asyncio.gather(*(collect(sched.submit(*static.prepare(p, s))) for p, s in requests))
+        finally:
+            sched.close()
+
+    for (prompt, params), (tokens, job) in zip(requests, asyncio.run(together())):
+        assert tokens == alone(prompt, params) and job.outcome == "completed"
+        assert job.rows_per_step > params.n  # it shared steps
+    assert static.runner.static.buckets and static.runner.static.rows_held == 0  # through the shared cache; all left
