@@ -25,13 +25,27 @@ import torch  # noqa: E402
 # One thread per xdist worker (the workers share the cores; OpenMP threads that spin on a shared core
 # slow everyone), else up to two.
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
-BROWSER = Path(__file__).resolve().parent / "browser"
+TESTS = Path(__file__).resolve().parent
+BROWSER = TESTS / "browser"
+
+
+# The longest files first: `make test` hands whole files to its workers in this order, so the long ones
+# start at once and the short ones fill in around them (no long file left to start at the end).
+LONG_FILES = ("engine/test_dtp.py", "engine/test_model.py", "bench/test_bench_quick.py", "engine/test_generate.py",
+              "bench/test_bench_spec.py", "engine/test_server.py", "engine/test_lowbit_engine.py", "test_packaging.py",
+              "app/test_ownership.py", "app/test_jobs.py", "engine/test_speculative.py", "engine/test_batching.py")
+
+
+def _order(item) -> tuple[bool, int]:
+    path = Path(item.path).resolve()
+    name = path.relative_to(TESTS).as_posix() if path.is_relative_to(TESTS) else ""
+    return path.is_relative_to(BROWSER), LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES)
 
 
 def pytest_collection_modifyitems(config, items):
     # The browser tests last: they share one browser for the run (tests/browser/conftest.py), and while
     # it is up Playwright's sync API keeps an event loop running in the main thread.
-    items.sort(key=lambda item: Path(item.path).resolve().is_relative_to(BROWSER))  # stable: the rest keep their order
+    items.sort(key=_order)  # stable: the rest keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")

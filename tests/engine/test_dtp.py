@@ -56,9 +56,9 @@ def cluster(request, checkpoints):
     eng.close()
 
 
-# At world size 8 (one lane per rank, the spec's layout) the delay-1 and delay-2 schedules and each head
-# and norm layout; at 2 and 4 every configuration.
-WORLD8 = ("d1-early", "d2-late", "vocab-parallel", "lane-head-lane-norms", "pre-norm-agg")
+# At world size 8 (one lane per rank, the spec's layout) the delay-1 and delay-2 schedules and the vocab-
+# parallel head; at 2 and 4 every configuration (eight ranks share the two cores: each case costs seconds).
+WORLD8 = ("d1-early", "d2-late", "vocab-parallel")
 
 
 # (tests/engine/conftest.py deselects the other cases at world size 8)
@@ -97,7 +97,7 @@ def test_llama_checkpoint_runs_as_standard_tensor_parallelism(tmp_path):
     write_byte_tokenizer(tmp_path / "llama", 300)
     single = load_engine(tmp_path / "llama", compile=False)
     ref, ref_tokens = single.logits(IDS), collect(single, max_tokens=6)[1]
-    for ws in (2, 4):
+    for ws in (4,):  # one KV head per rank
         eng = load_engine(tmp_path / "llama", world_size=ws)
         try:
             assert eng.cfg.num_lanes == ws
