@@ -223,8 +223,8 @@ class StaticDecoder:
         L = len(self.model.lanes)
         tok = torch.zeros(b.n, dtype=torch.long, device=b.tokens.device)
         pos = torch.zeros(b.n, dtype=torch.long)
-        for r in self.resident.values():
-            pos[r.row:r.row + r.n] = r.next_pos
+        for r in self.resident.values():  # (one at the capacity has stepped its last: it only waits to end)
+            pos[r.row:r.row + r.n] = min(r.next_pos, self.capacity - 1)
         where, a = [], 0
         for p, cache in groups:
             r = self.resident[id(cache)]
