@@ -632,8 +632,14 @@ class DTPRunner:
         return replies
 
     # -- loading and settings --
+    def _between_requests(self, what: str) -> None:
+        """load, configure and logits talk to the ranks outside any request: none may be streaming."""
+        if self._boxes:
+            raise DTPError(f"{what} runs between requests on a DTP engine; {len(self._boxes)} are running")
+
     def load(self, path) -> None:
         """(Re)load a checkpoint into the running ranks; each reads only its own lanes' slices."""
+        self._between_requests("load")
         self._send(("load", str(path), self.wait_now, self.record_timeline))
         self.rank_info = self._gather_replies("ready", timeout=max(300.0, self.timeout_s))
 
@@ -641,6 +647,7 @@ class DTPRunner:
         """Switch between delayed and "wait now" collectives, and the per-rank timeline, between requests."""
         self.wait_now = self.wait_now if wait_now is None else bool(wait_now)
         self.record_timeline = self.record_timeline if timeline is None else bool(timeline)
+        self._between_requests("configure")
         self._send(("configure", self.wait_now, self.record_timeline))
         self._gather_replies("configured", timeout=self.timeout_s)
 
@@ -675,6 +682,7 @@ class DTPRunner:
 
     # -- the runner surface the front end uses --
     def logits(self, ids: Tensor) -> Tensor:
+        self._between_requests("logits")
         self._send(("logits", ids.tolist()))
         return torch.from_numpy(self._recv()[1])
 

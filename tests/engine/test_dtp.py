@@ -150,6 +150,8 @@ def test_stop_string_cancels_all_ranks_and_the_engine_stays_usable(cluster, chec
     eng = reload(cluster, path)
     events = eng.generate(PROMPT, SamplingParams(max_tokens=50, ignore_eos=True))
     next(events)
+    with pytest.raises(DTPError, match="between requests"):  # rank 0's pipe carries the request's tokens now
+        eng.logits(IDS)
     events.close()  # the consumer walks away mid-request
     assert collect(eng, max_tokens=8)[1] == ref_greedy
 
