@@ -494,8 +494,10 @@ class DTPRunner:
 
     Rank 0 streams each step's tokens back; the ranks run the decode loop on their own (no per-token
     round trip through this process), so this runner's `token_steps` relays rank 0's stream and sends
-    a cancel when the consumer stops early. The ranks also run a request's prompt-lookup speculation
-    (`speculates`): drafts and verifies happen on every rank alike.
+    a cancel when the consumer stops early. Requests at once (each `token_steps` in a thread of its
+    own) become rows of the ranks' shared steps (`batches_itself`, `Rank.serve`); whichever waiting
+    thread holds the pipe files rank 0's messages under their requests. The ranks also run a request's
+    prompt-lookup speculation (`speculates`): drafts and verifies happen on every rank alike.
     """
 
     speculates = True

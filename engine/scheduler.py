@@ -298,7 +298,7 @@ class Scheduler:
 
         stopped = False
         wants_timeline = bool(job.dtp and job.dtp.get("timeline"))
-        try:  # requests run one at a time, so a request's DTP settings hold for it alone
+        try:  # a request with DTP settings runs alone (`_startable`), so they hold for it alone
             with self.engine.request_settings(**job.dtp) if job.dtp else nullcontext() as job.collectives:
                 last = seen = None
                 for ev in self.engine.generate(job.ids, job.params, should_stop=should_stop,
