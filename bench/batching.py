@@ -233,6 +233,12 @@ def prefix_reuse(engine, target_tokens: int = 1000, tokens: int = 16) -> dict:
             "prefill_chunk": engine.runtime.prefill_chunk}
 
 
+USER_COLUMNS = [("engine", "engine", "s"), ("users", "users", "d"), ("ttft_min_ms", "TTFT min ms", ".0f"),
+                ("ttft_median_ms", "median", ".0f"), ("ttft_max_ms", "max", ".0f"),
+                ("ttft_max_vs_alone", "max x alone", ".2f"), ("wall_s", "wall s", ".2f"),
+                ("wall_vs_alone", "wall x alone", ".2f"), ("rows_per_step", "rows/step", ".1f")]
+
+
 def dtp_users(args, quiet) -> None:
     """Table 6: k clients at once on a DTP engine, one at a time and batched by the ranks."""
     from laneplay.engine import load_engine
@@ -249,12 +255,6 @@ def dtp_users(args, quiet) -> None:
     path = write_json("batching-dtp", {"dtype": engine.runtime.dtype, "world_size": args.dtp_world,
                                        "tokens": args.dtp_tokens, "quiet": quiet, "users": rows}, args.out)
     print(f"wrote {path}")
-
-
-USER_COLUMNS = [("engine", "engine", "s"), ("users", "users", "d"), ("ttft_min_ms", "TTFT min ms", ".0f"),
-                ("ttft_median_ms", "median", ".0f"), ("ttft_max_ms", "max", ".0f"),
-                ("ttft_max_vs_alone", "max x alone", ".2f"), ("wall_s", "wall s", ".2f"),
-                ("wall_vs_alone", "wall x alone", ".2f"), ("rows_per_step", "rows/step", ".1f")]
 
 
 def main(argv: list[str] | None = None) -> int:

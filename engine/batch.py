@@ -142,6 +142,16 @@ class Sequence:
         self._prefill = self.cache = self.tokens = None
 
 
+def prompt_turns(items, budget: int, chunk: int):
+    """The (key, sequence) pairs of `items` whose prompt runs its next chunk in this step, in order: every
+    prefilling sequence while the step's prompt-token budget lasts (each counts one chunk, or its whole
+    prompt when that is shorter)."""
+    for key, seq in items:
+        if seq.prefilling and budget > 0:
+            budget -= min(len(seq.ids), chunk)
+            yield key, seq
+
+
 class _RawSteps:
     """A text side that keeps no text: each position's step as `token_steps` yields it."""
 

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from laneplay.engine.batch import Sequence, decode_step
+from laneplay.engine.batch import Sequence, decode_step, prompt_turns
 from laneplay.engine.checkpoint import load_weights, open_checkpoint
 from laneplay.engine.config import ModelConfig
 from laneplay.engine.model import LaneModel
@@ -354,11 +354,9 @@ class Rank:
     def _iterate(self, seqs: dict) -> None:
         """One step: prompts a chunk at a time (at most one chunk's tokens in all), then one decode step
         for every request past its prompt."""
-        budget = self.runner.runtime.prefill_chunk
-        for rid, (seq, asked) in list(seqs.items()):
-            if seq.prefilling and budget > 0:
-                budget -= min(len(seq.ids), self.runner.runtime.prefill_chunk)
-                self._send_steps(rid, seq, asked, seq.prefill_chunk(), seqs)
+        chunk = self.runner.runtime.prefill_chunk
+        for rid, seq in prompt_turns([(rid, seq) for rid, (seq, _) in seqs.items()], chunk, chunk):
+            self._send_steps(rid, seq, seqs[rid][1], seq.prefill_chunk(), seqs)
         decoding = [(rid, seq, asked) for rid, (seq, asked) in seqs.items() if not seq.prefilling]
         if decoding:
             t0 = time.perf_counter()
@@ -574,10 +572,11 @@ class DTPRunner:
         if self._failure:
             raise DTPError(f"the DTP engine is not usable: {self._failure}")
 
-    def _send(self, msg, ranks=None) -> None:
+    def _send(self, msg) -> None:
+        """`msg` to every rank."""
         self._check_usable()
         with self._send_lock:  # requests in several threads: each message whole, in one order on every pipe
-            for rank in ranks if ranks is not None else range(self.world_size):
+            for rank in range(self.world_size):
                 try:
                     self.conns[rank].send(msg)
                 except (BrokenPipeError, OSError):

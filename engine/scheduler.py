@@ -40,7 +40,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-from laneplay.engine.batch import PrefixCache, Sequence, decode_step, kv_need
+from laneplay.engine.batch import PrefixCache, Sequence, decode_step, kv_need, prompt_turns
 from laneplay.engine.metrics import GenerationMetrics
 from laneplay.engine.runtime import PREFILL_CHUNK
 from laneplay.engine.sampling import SamplingParams
@@ -282,10 +282,15 @@ class Scheduler:
         job = self._waiting[0]
         if not self.concurrent or job.dtp or any(j.dtp for j in self.running):
             return False
+        return self._fits(job, sum(j.params.n for j in self.running),
+                          sum(kv_need(self.engine, j.ids, j.params) for j in self.running))
+
+    def _fits(self, job: Job, rows: int, kv: int) -> bool:
+        """Whether `job` may join running requests that hold `rows` rows and `kv` bytes of KV cache: within
+        the rows per step (less the interactive reserve for batch work) and the KV budget."""
         cap = self.max_rows - (self.interactive_reserve if job.priority == "batch" else 0)
-        kv = sum(kv_need(self.engine, j.ids, j.params) for j in self.running)
-        return (sum(j.params.n for j in self.running) + job.params.n <= cap
-                and not (self.kv_budget and kv + kv_need(self.engine, job.ids, job.params) > self.kv_budget))
+        return rows + job.params.n <= cap and not (
+            self.kv_budget and kv + kv_need(self.engine, job.ids, job.params) > self.kv_budget)
 
     def _run(self, job: Job) -> None:
         self._begin(job)
@@ -335,9 +340,8 @@ class Scheduler:
         kv = sum(s.kv_bytes for s in seqs.values())
         while self._waiting:
             job = self._waiting[0]
-            cap = self.max_rows - (self.interactive_reserve if job.priority == "batch" else 0)
             need = kv_need(self.engine, job.ids, job.params)
-            if self.running and (rows + job.params.n > cap or (self.kv_budget and kv + need > self.kv_budget)):
+            if self.running and not self._fits(job, rows, kv):
                 break
             if self.prefixes is not None and self.kv_budget:  # running requests first: cached prefixes make room
                 self.prefixes.shrink(self.kv_budget - kv - need)
@@ -384,11 +388,7 @@ class Scheduler:
     def _iterate(self, seqs: dict) -> None:
         """One step boundary: stopped requests leave, prompts advance, every decoding row gets a token."""
         self._leave(seqs)
-        budget = self.prefill_budget
-        for job, seq in list(seqs.items()):  # prompts, a chunk at a time, within the budget
-            if not seq.prefilling or budget <= 0:
-                continue
-            budget -= min(len(job.ids), self.engine.runtime.prefill_chunk)
+        for job, seq in prompt_turns(list(seqs.items()), self.prefill_budget, self.engine.runtime.prefill_chunk):
             try:
                 events = seq.prefill_chunk()
             except Exception as e:  # this prompt failed (memory, say): it ends, the others go on

@@ -196,6 +196,8 @@ class StaticDecoder:
         for pos, cache in groups:
             if id(cache) in self.resident:
                 continue
+            if cache.max_seq_len > self.capacity or row + cache.batch > c:
+                raise ValueError("a request that does not fit the shared static cache (see `inside`)")
             for dst, src in zip(self.shared.k + self.shared.v, cache.k + cache.v):
                 rows = dst.view(L, c, *dst.shape[1:])
                 rows[:, row:row + cache.batch, :, :src.shape[2]] = src.view(L, cache.batch, *src.shape[1:])
@@ -214,28 +216,28 @@ class StaticDecoder:
         dropped). The step runs every resident row in the smallest bucket that holds them, padded (on
         CUDA one captured graph per bucket); a resident request that sits this step out runs too, at its
         next position, whose slot its own next step rewrites before any read. Every group must be
-        `inside`."""
-        if not all(self.inside(groups)):
-            raise ValueError("these requests do not all step in the shared static cache")
+        `inside`. The step's layout (which token each row takes, its position, where each group's logits
+        are) goes to the device as one small copy."""
+        self._shared_cache()
         self._arrange(groups)
-        used = sum(r.n for r in self.resident.values())
-        b = self._bucket(used)
-        L = len(self.model.lanes)
-        tok = torch.zeros(b.n, dtype=torch.long, device=b.tokens.device)
-        pos = torch.zeros(b.n, dtype=torch.long)
+        b = self._bucket(sum(r.n for r in self.resident.values()))
+        B = tokens.shape[0]
+        take = [B] * b.n  # each row's token: an index into tokens, B for a pad (token 0)
+        pos = [0] * b.n
         for r in self.resident.values():  # (one at the capacity has stepped its last: it only waits to end)
-            pos[r.row:r.row + r.n] = min(r.next_pos, self.capacity - 1)
+            pos[r.row:r.row + r.n] = [min(r.next_pos, self.capacity - 1)] * r.n
         where, a = [], 0
         for p, cache in groups:
             r = self.resident[id(cache)]
             if p != r.next_pos:
                 raise ValueError(f"a request at position {r.next_pos} was asked to step at {p}")
-            tok[r.row:r.row + r.n] = tokens[a:a + r.n, 0]
+            take[r.row:r.row + r.n] = range(a, a + r.n)
             where += range(r.row, r.row + r.n)
             a += r.n
             r.next_pos += 1
-        b.tokens.copy_(tok)
-        b.pos.copy_(pos.to(b.pos.device).repeat(L))
+        layout = torch.tensor(take + pos + where).to(b.tokens.device, non_blocking=True)
+        b.tokens.copy_(torch.cat([tokens.view(-1), tokens.new_zeros(1)])[layout[:b.n]])
+        b.pos.copy_(layout[b.n:2 * b.n].repeat(len(self.model.lanes)))
         if not self.graphs:
             logits = self._forward(b)
         else:
@@ -243,7 +245,7 @@ class StaticDecoder:
                 self._capture(b)
             b.graph.replay()
             logits = b.logits
-        return logits[torch.tensor(where, device=logits.device)]
+        return logits[layout[2 * b.n:]]
 
     @torch.inference_mode()
     def step(self, tokens: Tensor, pos: int) -> Tensor:
