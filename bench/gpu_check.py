@@ -306,7 +306,7 @@ def decode_speed(name: str, cfg: ModelConfig, weights: dict, dev, bw: dict, step
         dec = StaticDecoder(model, graphs=False)  # the model's whole context, as the engine serves it
         try:
             _, cache = model.prefill(ids, 1, prompt + steps + 1)
-            dec.load(cache)
+            dec.load(cache, prompt)
             dec.step(toks[0], prompt)
             torch.cuda.synchronize()
             n = min(steps, 48)
@@ -322,7 +322,7 @@ def decode_speed(name: str, cfg: ModelConfig, weights: dict, dev, bw: dict, step
             dec.graphs = True
             dec.reset_graphs()
             _, cache = model.prefill(ids, 1, prompt + steps + 1)
-            dec.load(cache)
+            dec.load(cache, prompt)
             dec.step(toks[0], prompt)  # captures
             torch.cuda.synchronize()
             s_ev, e_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -364,7 +364,7 @@ def decode_speed(name: str, cfg: ModelConfig, weights: dict, dev, bw: dict, step
             _, c_st = model.prefill(ids, 1, prompt + 33)
             dec.graphs = True
             dec.reset_graphs()
-            dec.load(c_st)
+            dec.load(c_st, prompt)
             worst, agree, tok_ref = 0.0, 0, toks[0]
             for s in range(32):
                 ref = model.decode(tok_ref, prompt + s, c_ref).float()
@@ -383,6 +383,15 @@ def decode_speed(name: str, cfg: ModelConfig, weights: dict, dev, bw: dict, step
             log(f"{name}: k separate requests per graph step: " + "; ".join(
                 f"{r['requests']}: {r['ms_per_step']:.3f} ms ({r['vs_one']:.2f}x one, rel |dlogit| "
                 f"{r['max_rel_dlogit']:.1e})" for r in out["buckets"]))
+        except Exception:
+            out.setdefault("errors", []).append(traceback.format_exc())
+
+        # speculative verification: S positions of one request in one captured verify graph
+        try:
+            out["verifies"] = verify_steps(model, ids, prompt, steps)
+            log(f"{name}: verify of S positions per graph: " + "; ".join(
+                f"{r['positions']}: {r['ms_per_verify']:.3f} ms ({r['vs_step']:.2f}x a step, rel |dlogit| "
+                f"{r['max_rel_dlogit']:.1e})" for r in out["verifies"]))
         except Exception:
             out.setdefault("errors", []).append(traceback.format_exc())
 
@@ -439,13 +448,49 @@ def bucket_steps(model: LaneModel, ids, prompt: int, steps: int) -> list[dict]:
     return rows
 
 
+def verify_steps(model: LaneModel, ids, prompt: int, steps: int) -> list[dict]:
+    """`StaticDecoder.verify` as a speculating request runs it: S positions (its last token and S - 1
+    drafts) in one captured graph per bucket; ms per verify against one graph step, and the verify's
+    logits against S `LaneModel.decode` steps on a copy of the same cache."""
+    from laneplay.engine.static_step import StaticDecoder
+
+    dec = StaticDecoder(model, capacity=prompt + steps + 40, graphs=True)
+    cache = model.prefill(ids[:, :prompt], 1, prompt + 20)[1]
+    dec.load(cache, prompt)
+    tok = ids[:, :1]
+
+    def timed(fn, reps=steps):
+        fn()
+        torch.cuda.synchronize()
+        s_ev, e_ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s_ev.record()
+        for _ in range(reps):
+            fn()
+        e_ev.record()
+        e_ev.synchronize()
+        return s_ev.elapsed_time(e_ev) / reps
+
+    step_ms = timed(lambda: dec.step(tok, prompt))  # rewrites the same position: the cache stays as loaded
+    rows = []
+    for S in (2, 4, 8, 16):
+        toks = ids[:, :S]
+        got = dec.verify(toks, prompt)[0][0].float()
+        ref = model.prefill(ids[:, :prompt], 1, prompt + 20)[1]
+        want = torch.cat([model.decode(toks[:, j:j + 1], prompt + j, ref).float() for j in range(S)])
+        worst = ((got - want).abs().max() / want.abs().max()).item()
+        ms = timed(lambda: dec.verify(toks, prompt))
+        rows.append({"positions": S, "ms_per_verify": ms, "vs_step": ms / step_ms, "step_ms": step_ms,
+                     "max_rel_dlogit": worst})
+    return rows
+
+
 def profile_step(dec, model, ids, toks, prompt, steps) -> list[dict]:
     """Kernel device time of the static step (kernels, no graph), averaged over 5 steps."""
     from torch.profiler import ProfilerActivity, profile
 
     dec.graphs = False
     _, cache = model.prefill(ids, 1, prompt + steps + 1)
-    dec.load(cache)
+    dec.load(cache, prompt)
     dec.step(toks[0], prompt)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

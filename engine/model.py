@@ -270,13 +270,15 @@ class KVCache:
     would compile it twice). Writing into a cache needs no inference mode.
     """
 
-    def __init__(self, cfg: ModelConfig, n_lanes: int, batch: int, max_seq_len: int, dtype, device):
+    def __init__(self, cfg: ModelConfig, n_lanes: int, batch: int, max_seq_len: int, dtype, device, spare: int = 0):
+        """spare: ring slots beyond each window (the CUDA step's caches: a verify's later positions then
+        land outside its earlier positions' windows, see `engine.static_step`)."""
         self.batch, self.max_seq_len = batch, max_seq_len
         self.k, self.v, self.slots = [], [], []
         with torch.inference_mode(False):
             for i in range(cfg.num_layers):
                 w = cfg.window(i)
-                slots = min(w, max_seq_len) if w else max_seq_len
+                slots = min(w + spare, max_seq_len) if w else max_seq_len
                 shape = (n_lanes * batch, cfg.kv_heads_per_lane, slots, cfg.head_dim)
                 self.k.append(torch.zeros(shape, dtype=dtype, device=device))
                 self.v.append(torch.zeros(shape, dtype=dtype, device=device))
@@ -399,10 +401,11 @@ class Rewind:
                 self.cache.v[i].index_copy_(2, idx[n:], v[:, :, n:])
 
 
-def kv_cache_bytes(cfg: ModelConfig, n_lanes: int, batch: int, max_seq_len: int, element_size: int) -> int:
-    """What `KVCache(cfg, n_lanes, batch, max_seq_len, ...)` allocates, without allocating it."""
+def kv_cache_bytes(cfg: ModelConfig, n_lanes: int, batch: int, max_seq_len: int, element_size: int,
+                   spare: int = 0) -> int:
+    """What `KVCache(cfg, n_lanes, batch, max_seq_len, ..., spare)` allocates, without allocating it."""
     per_slot = 2 * n_lanes * batch * cfg.kv_heads_per_lane * cfg.head_dim * element_size  # K and V
-    return sum(per_slot * (min(cfg.window(i), max_seq_len) if cfg.window(i) else max_seq_len)
+    return sum(per_slot * (min(cfg.window(i) + spare, max_seq_len) if cfg.window(i) else max_seq_len)
                for i in range(cfg.num_layers))
 
 
@@ -744,6 +747,6 @@ class LaneModel(nn.Module):
             h = h + self.reduce(i, "mlp", self.mlp_block(h, w.ffn_norm, w.w13, w.w2), saved)
         return self.head(h)[:, -1]
 
-    def new_cache(self, batch: int, max_seq_len: int | None = None) -> KVCache:
+    def new_cache(self, batch: int, max_seq_len: int | None = None, spare: int = 0) -> KVCache:
         return KVCache(self.cfg, len(self.lanes), batch, max_seq_len or self.cfg.max_position_embeddings,
-                       self.dtype, self.device)
+                       self.dtype, self.device, spare)

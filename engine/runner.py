@@ -51,7 +51,7 @@ class LocalRunner:
         logits, self.cache = self.model.prefill(ids, n, max_seq_len, should_stop, chunk=self.runtime.prefill_chunk)
         self._static_now = self.cache is not None and self.static is not None and self.static.fits(n, max_seq_len)
         if self._static_now:
-            self.static.load(self.cache)
+            self.static.load(self.cache, ids.shape[1])
             self.cache = None
         return logits
 
@@ -67,10 +67,15 @@ class LocalRunner:
         return out
 
     def verify(self, tokens: Tensor, pos: int, cache=None):
-        """Speculative verification (`LaneModel.verify`): tokens [1, S] at positions pos.. over this
-        request's cache (or `cache`) -> (logits [1, S, V], a rewind for the positions not kept)."""
+        """Speculative verification: tokens [1, S] at positions pos.. over this request's cache (or `cache`)
+        -> (logits [1, S, V], a rewind: `keep(k)` with the positions kept). Through the static step
+        (`StaticDecoder.verify`, a graph per bucket on CUDA) where the request's KV lives there, else
+        `LaneModel.verify`."""
         t0 = time.perf_counter()
-        logits, rewind = self.model.verify(tokens, pos, self.cache if cache is None else cache)
+        if self.static is not None and (self._static_now if cache is None else self.static.can_verify(cache)):
+            logits, rewind = self.static.verify(tokens, pos, cache)
+        else:
+            logits, rewind = self.model.verify(tokens, pos, self.cache if cache is None else cache)
         self.comm.note_step(t0, time.perf_counter())
         return self.comm.verify_logits(logits), rewind  # on a DTP rank: every rank's shards, gathered
 
@@ -112,8 +117,9 @@ class LocalRunner:
     def verify_joins(self, pos: int, S: int, cache) -> bool:
         """Whether a verify of S positions from pos may run as S one-token groups of a `decode_groups` step,
         beside other requests' rows, with each row's logits those of a decode step
-        (`LaneModel.verifies_as_groups`)."""
-        return self.model.verifies_as_groups(pos, S, cache)
+        (`LaneModel.verifies_as_groups`). Not with the static step: its shared step takes one row per
+        request, and a verify there is a step of its own (`StaticDecoder.verify`)."""
+        return self.static is None and self.model.verifies_as_groups(pos, S, cache)
 
     @torch.inference_mode()
     def decode_groups(self, tokens: Tensor, groups: list) -> Tensor:
@@ -172,6 +178,7 @@ class LocalRunner:
         self.cache = None
         if self.static is not None:
             self.static.warm_buckets()  # separate requests' shared steps
+            self.static.warm_verifies()  # speculative verifies, alone and in the shared cache
 
     def close(self) -> None:
         self.model = self.cache = self.static = None

@@ -234,15 +234,13 @@ def plan(mode: str, runner, ids: list[int], params: SamplingParams) -> Speculati
     """The speculation a request gets on this runner: on, or off with the reason."""
     mode = check_mode(mode)
     reason = None
-    if mode != "off":
-        if getattr(runner, "static", None) is not None:
-            reason = "the static (CUDA-graph) decode step has no verify graph"
-        elif not (hasattr(runner, "verify") or getattr(runner, "speculates", False)):
-            reason = "this runner has no verify step"
+    if mode != "off" and not (hasattr(runner, "verify") or getattr(runner, "speculates", False)):
+        reason = "this runner has no verify step"
     return Speculation(mode, ids, params, reason)
 
 
 def room(spec: Speculation, produced: int, max_tokens: int, cache) -> int:
     """How many drafts the next verify may carry: the tokens still allowed after the next one, and no
-    more positions than the smallest ring holds (the rewind writes each slot once)."""
-    return min(max_tokens - produced - 1, min(cache.slots) - 1, K_MAX)
+    more positions than the smallest ring holds (the rewind writes each slot once). cache None: the
+    request's KV is in the static step's cache, whose rings hold K_MAX slots beyond the window."""
+    return min(max_tokens - produced - 1, min(cache.slots) - 1 if cache is not None else K_MAX, K_MAX)

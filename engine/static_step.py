@@ -27,6 +27,7 @@ from torch import Tensor
 
 from laneplay.engine.config import NO_REDUCE, PRESENT
 from laneplay.engine.model import KVCache, LaneModel, LocalLanes, kv_cache_bytes
+from laneplay.engine.speculative import K_MAX
 from laneplay.kernels import ops
 
 
@@ -42,10 +43,18 @@ class _Batch:
     graph: object = None
     logits: Tensor | None = None  # the captured step's output buffer
     loaded: bool = field(default=False)
-    cache_rows: tuple[int, int] | None = None  # a bucket of the shared cache: (its rows, the cache's rows) per lane
+    # a bucket of the shared cache: (its rows, the cache's rows) per lane; a verify: each row's cache row [L * n]
+    cache_rows: tuple[int, int] | Tensor | None = None
 
 
 BUCKETS = (1, 2, 4, 8, 16)  # the row counts separate requests' steps are captured for (padded up to one)
+VERIFY_BUCKETS = (2, 4, 8, 16)  # the positions a verify is captured for: its last token and up to K_MAX drafts
+# Ring slots beyond each sliding window in every static cache: a verify writes positions p..p + K_MAX of one
+# request in one step, and with W + K_MAX slots the slot of a later position held a position that is out
+# of every earlier row's window, so each row sees exactly what a decode step at its position sees, and
+# nothing needs restoring for the positions a verify does not keep (their slots are rewritten before any
+# step reads them).
+SPARE = K_MAX
 
 
 @dataclass
@@ -85,13 +94,14 @@ class StaticDecoder:
         self.shared_rows = 0
         self.buckets: dict[int, _Batch] = {}
         self.resident: dict[int, _Resident] = {}  # id of a request's own cache -> its rows
+        self.verifies: dict[tuple[str, int], _Batch] = {}  # ("one" | "shared", bucket) -> a verify's batch
         self._gone: list[int] = []  # requests whose caches were dropped (their rows free at the next step)
         L, D = len(model.lanes), self.cfg.hidden_size
         self._norm = lambda w: w.reshape(L, D) if w.dim() == 4 else w  # lane norms are stored [L, 1, 1, D]
 
     # -- capacity -----------------------------------------------------------------------------------
     def cache_bytes(self, n: int) -> int:
-        return kv_cache_bytes(self.cfg, len(self.model.lanes), n, self.capacity, self.model.dtype.itemsize)
+        return kv_cache_bytes(self.cfg, len(self.model.lanes), n, self.capacity, self.model.dtype.itemsize, SPARE)
 
     def fits(self, n: int, positions: int) -> bool:
         """Whether a request of n samples and `positions` positions can run here: within the capacity, and
@@ -106,7 +116,7 @@ class StaticDecoder:
         b = self.batches.get(n)
         if b is None:
             m, cfg = self.model, self.cfg
-            b = _Batch(n=n, cache=m.new_cache(n, self.capacity),
+            b = _Batch(n=n, cache=m.new_cache(n, self.capacity, SPARE),
                        tokens=torch.zeros(n, dtype=torch.long, device=m.device),
                        pos=torch.zeros(1, dtype=torch.long, device=m.device),
                        h=torch.zeros(len(m.lanes), n, cfg.hidden_size, dtype=m.dtype, device=m.device))
@@ -114,18 +124,15 @@ class StaticDecoder:
         return b
 
     # -- the request protocol -------------------------------------------------------------------------
-    def load(self, cache: KVCache) -> None:
-        """Copy a prefilled cache (n samples) into the static cache of its batch size.
-
-        Slot layouts agree: a layer's request cache has min(W, length) or `length` slots, the static one
-        min(W, capacity) or `capacity`; when the request's ring is shorter than W it never wrapped, so
-        its slots hold positions 0.. in both.
-        """
+    def load(self, cache: KVCache, length: int) -> None:
+        """Copy a prefilled cache (n samples, `length` positions written) into the static cache of its
+        batch size (see `_place`)."""
         if cache.max_seq_len > self.capacity:
             raise ValueError(f"a request of {cache.max_seq_len} positions exceeds the static cache of {self.capacity}")
         b = self._batch(cache.batch)
+        L, n = len(self.model.lanes), cache.batch
         for dst, src in zip(b.cache.k + b.cache.v, cache.k + cache.v):
-            dst[:, :, :src.shape[2]].copy_(src)
+            _place(dst.view(L, n, *dst.shape[1:]), src.view(L, n, *src.shape[1:]), length)
         b.loaded = True
 
     # -- separate requests in one step (the scheduler's batches) ---------------------------------------
@@ -135,7 +142,7 @@ class StaticDecoder:
             fit = [b for b in BUCKETS if not self.kv_budget_bytes or self.cache_bytes(b) <= self.kv_budget_bytes]
             self.shared_rows = fit[-1] if fit else 0
             if self.shared_rows:
-                self.shared = self.model.new_cache(self.shared_rows, self.capacity)
+                self.shared = self.model.new_cache(self.shared_rows, self.capacity, SPARE)
         return self.shared_rows
 
     def _bucket(self, rows: int) -> _Batch:
@@ -199,8 +206,7 @@ class StaticDecoder:
             if cache.max_seq_len > self.capacity or row + cache.batch > c:
                 raise ValueError("a request that does not fit the shared static cache (see `inside`)")
             for dst, src in zip(self.shared.k + self.shared.v, cache.k + cache.v):
-                rows = dst.view(L, c, *dst.shape[1:])
-                rows[:, row:row + cache.batch, :, :src.shape[2]] = src.view(L, cache.batch, *src.shape[1:])
+                _place(dst.view(L, c, *dst.shape[1:])[:, row:row + cache.batch], src.view(L, cache.batch, *src.shape[1:]), pos)
             self.resident[id(cache)] = _Resident(row, cache.batch, pos)
             weakref.finalize(cache, self._gone.append, id(cache))
             cache.k, cache.v = [], []  # its KV lives in the shared cache now (and `inside` keeps it there)
@@ -238,14 +244,74 @@ class StaticDecoder:
         layout = torch.tensor(take + pos + where).to(b.tokens.device, non_blocking=True)
         b.tokens.copy_(torch.cat([tokens.view(-1), tokens.new_zeros(1)])[layout[:b.n]])
         b.pos.copy_(layout[b.n:2 * b.n].repeat(len(self.model.lanes)))
+        return self._run(b)[layout[2 * b.n:]]
+
+    # -- speculative verification -------------------------------------------------------------------
+    def _verify_batch(self, where: str, S: int) -> _Batch:
+        n = next(b for b in VERIFY_BUCKETS if b >= S)
+        b = self.verifies.get((where, n))
+        if b is None:
+            m, L = self.model, len(self.model.lanes)
+            b = _Batch(n=n, cache=self.shared if where == "shared" else self.batches[1].cache,
+                       tokens=torch.zeros(n, dtype=torch.long, device=m.device),
+                       pos=torch.zeros(L * n, dtype=torch.long, device=m.device),
+                       h=torch.zeros(L, n, self.cfg.hidden_size, dtype=m.dtype, device=m.device),
+                       loaded=True, cache_rows=torch.zeros(L * n, dtype=torch.long, device=m.device))
+            self.verifies[where, n] = b
+        return b
+
+    def can_verify(self, cache=None) -> bool:
+        """Whether a verify can run here: the batch-1 request of `load`/`step` (cache None), or a request
+        of one sample resident in the shared cache."""
+        if cache is None:
+            one = self.batches.get(1)
+            return one is not None and one.loaded
+        r = self.resident.get(id(cache))
+        return r is not None and r.n == 1 and id(cache) not in self._gone
+
+    @torch.inference_mode()
+    def verify(self, tokens: Tensor, pos: int, cache=None) -> tuple[Tensor, "_Verified"]:
+        """Speculative verification in one step: tokens [1, S] (the last token, then S - 1 <= K_MAX drafts)
+        at positions pos.. of the batch-1 request (`load`, cache None) or of a request resident in the
+        shared cache (its own cache object, see `groups`) -> (logits [1, S, V], what to call `keep(k)` on
+        with the positions kept). Logit j is what a decode step at pos + j gives after the tokens before
+        it: the S positions are S rows of one step over the request's cache row, every key written before
+        any row attends (the unfused pair of kernels), and the ring slots beyond the window (SPARE) keep the
+        later rows' keys out of the earlier rows' windows. Padded up to a bucket (the pads step at the
+        positions after, whose slots no row reads before a later step rewrites them); on CUDA one
+        captured graph per bucket and cache."""
+        S = tokens.numel()
+        if not 1 <= S <= K_MAX + 1:
+            raise ValueError(f"a verify takes 1 to {K_MAX + 1} positions, got {S}")
+        if pos + S > self.capacity:
+            raise ValueError(f"positions {pos}..{pos + S - 1} are beyond the static cache of {self.capacity}")
+        if not self.can_verify(cache):
+            raise ValueError("a verify needs the loaded batch-1 request or a resident request of one sample")
+        r = None if cache is None else self.resident[id(cache)]
+        if r is not None and pos != r.next_pos:
+            raise ValueError(f"a request at position {r.next_pos} was asked to verify from {pos}")
+        b = self._verify_batch("one" if r is None else "shared", S)
+        L, c, row = len(self.model.lanes), (1 if r is None else self.shared_rows), (0 if r is None else r.row)
+        positions = [min(pos + j, self.capacity - 1) for j in range(b.n)]
+        layout = torch.tensor(positions * L + [lane * c + row for lane in range(L) for _ in range(b.n)])
+        layout = layout.to(b.pos.device, non_blocking=True)
+        b.pos.copy_(layout[:L * b.n])
+        b.cache_rows.copy_(layout[L * b.n:])
+        b.tokens.zero_()
+        b.tokens[:S].copy_(tokens.view(-1))
+        return self._run(b)[:S].clone().unsqueeze(0), _Verified(r, pos, S)
+
+    def warm_verifies(self) -> None:
+        """Capture the verify graphs of the batch-1 cache and of the shared cache now (at load, never inside
+        a request; nothing a request holds is written)."""
         if not self.graphs:
-            logits = self._forward(b)
-        else:
-            if b.graph is None:
-                self._capture(b)
-            b.graph.replay()
-            logits = b.logits
-        return logits[layout[2 * b.n:]]
+            return
+        wheres = (["one"] if 1 in self.batches else []) + (["shared"] if self._shared_cache() and not self.rows_held else [])
+        for where in wheres:
+            for n in VERIFY_BUCKETS:
+                b = self._verify_batch(where, n)
+                if b.graph is None:
+                    self._capture(b)
 
     @torch.inference_mode()
     def step(self, tokens: Tensor, pos: int) -> Tensor:
@@ -258,12 +324,17 @@ class StaticDecoder:
             raise ValueError(f"position {pos} is beyond the KV cache of {self.capacity} positions")
         b.tokens.copy_(tokens.view(-1), non_blocking=True)
         b.pos.fill_(pos)
+        return self._run(b).clone()
+
+    def _run(self, b: _Batch) -> Tensor:
+        """The step over b's buffers: eager, or its graph's replay (captured on first use; the capture's
+        warm-up replays the same inputs, so it writes exactly what the step writes)."""
         if not self.graphs:
             return self._forward(b)
         if b.graph is None:
-            self._capture(b)  # replays the same inputs: the warm-up writes exactly what this step writes
+            self._capture(b)
         b.graph.replay()
-        return b.logits.clone()
+        return b.logits
 
     def _capture(self, b: _Batch) -> None:
         side = torch.cuda.Stream()
@@ -445,10 +516,38 @@ class StaticDecoder:
 
     def reset_graphs(self) -> None:
         """Drop every captured graph (the next step recaptures) and start a fresh memory pool for them."""
-        for b in (*self.batches.values(), *self.buckets.values()):
+        for b in (*self.batches.values(), *self.buckets.values(), *self.verifies.values()):
             b.graph = None
         if self.graphs:
             self.pool = torch.cuda.graph_pool_handle()
+
+
+class _Verified:
+    """What a static verify leaves to its caller: `keep(k)` with how many of its positions were kept (the
+    last token and the drafts accepted). Nothing is restored (see SPARE); a resident request's next
+    step then writes at pos + k."""
+
+    def __init__(self, resident: _Resident | None, pos: int, S: int):
+        self.resident, self.pos, self.S = resident, pos, S
+
+    def keep(self, n: int) -> None:
+        if not 0 <= n <= self.S:
+            raise ValueError(f"cannot keep {n} of {self.S} verified positions")
+        if self.resident is not None:
+            self.resident.next_pos = self.pos + n
+
+
+def _place(dst: Tensor, src: Tensor, length: int) -> None:
+    """A request's K or V of one layer into static rows: src [L, n, H, slots, hd] with `length` positions
+    written, dst [L, n, H, slots', hd] (a view of the static cache's rows). Position p lives in slot
+    p % slots on both sides: the same slot while the request's ring has not wrapped (or on a full layer);
+    a wrapped ring's last `slots` positions move to their slots in the larger static ring."""
+    have = src.shape[3]
+    if length <= have:
+        dst[:, :, :, :have] = src
+        return
+    p = torch.arange(length - have, length, device=src.device)
+    dst[:, :, :, p % dst.shape[3]] = src[:, :, :, p % have]
 
 
 def _time_graph(fn, reps: int) -> float:

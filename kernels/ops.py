@@ -47,7 +47,9 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, out_dtype=None, *, impl: str
 
 
 # pos: one position for every row, or one per row (separate requests in one step); cache_rows (b, c): row
-# lane * b + i uses cache row lane * c + i of a pool of c rows per lane (the CUDA step's batch buckets)
+# lane * b + i uses cache row lane * c + i of a pool of c rows per lane (the CUDA step's batch buckets), or
+# an integer tensor gives each row its cache row (several rows may share one: a verify's positions, each
+# row seeing the keys the rows before it write; `rope_attention` then runs as the two kernels)
 
 def rope_kv_write(qkv, cos, sin, pos, k_cache, v_cache, num_q_heads, num_kv_heads, head_dim, *,
                   impl: str | None = None, cache_rows=None) -> Tensor:

@@ -57,7 +57,12 @@ def rope_kv_write(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: T
 
 
 def _cache_row_index(rows: int, cache_rows, device) -> Tensor:
-    """The cache row of each row: itself, or with cache_rows (b, c) lane * c + i for row lane * b + i."""
+    """The cache row of each row: itself, with cache_rows (b, c) lane * c + i for row lane * b + i, or
+    with a tensor the one it gives each row (rows may share one: a verify's positions)."""
+    if isinstance(cache_rows, Tensor):
+        if cache_rows.numel() != rows or cache_rows.is_floating_point():
+            raise ValueError(f"a cache row per row: {rows} integers; got {list(cache_rows.shape)}")
+        return cache_rows.reshape(-1).long()
     r = torch.arange(rows, device=device)
     if cache_rows is None:
         return r

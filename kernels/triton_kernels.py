@@ -47,9 +47,13 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, out_dtype: torch.dtype | Non
 
 @triton.jit
 def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
-                    HQ, HKV, HD, HALF, slots, pos_stride, lane_rows, cache_lane_rows, BLOCK_T: tl.constexpr):
+                    HQ, HKV, HD, HALF, slots, pos_stride, lane_rows, cache_lane_rows, map_ptr,
+                    BLOCK_T: tl.constexpr, HAS_MAP: tl.constexpr):
     r = tl.program_id(0)
-    cr = (r // lane_rows) * cache_lane_rows + r % lane_rows  # the row's cache row
+    if HAS_MAP:  # each row's cache row, given
+        cr = tl.load(map_ptr + r)
+    else:
+        cr = (r // lane_rows) * cache_lane_rows + r % lane_rows  # the row's cache row
     h = tl.program_id(1)  # 0..HQ-1: a query head; HQ..HQ+HKV-1: a key head (and its value head)
     pos = tl.load(pos_ptr + r * pos_stride)  # one position for all rows (stride 0) or one per row
     t = tl.arange(0, BLOCK_T)
@@ -79,14 +83,15 @@ def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_ptr, kc_ptr, vc_ptr,
 def rope_kv_write(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
                   num_q_heads: int, num_kv_heads: int, head_dim: int, cache_rows=None) -> Tensor:
     N = qkv.shape[0]
-    lane_rows, cache_lane_rows = _cache_rows(cache_rows, N, k_cache)
+    lane_rows, cache_lane_rows, row_map = _cache_rows(cache_rows, N, k_cache)
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
     qkv = qkv.contiguous()
     q = torch.empty(N, num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     half = head_dim // 2
     _rope_kv_kernel[(N, num_q_heads + num_kv_heads)](
         qkv, cos, sin, pos, q, k_cache, v_cache, num_q_heads, num_kv_heads, head_dim, half, k_cache.shape[2],
-        _pos_stride(pos, N), lane_rows, cache_lane_rows, BLOCK_T=_pow2(half), num_warps=1)
+        _pos_stride(pos, N), lane_rows, cache_lane_rows, pos if row_map is None else row_map, BLOCK_T=_pow2(half),
+        HAS_MAP=row_map is not None, num_warps=1)
     return q
 
 
@@ -95,9 +100,10 @@ def rope_kv_write(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: T
 @triton.jit
 def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, o_ptr, lse_ptr, cos_ptr, sin_ptr,
                        HQ, HKV, HD, REP, slots, window, split_len, n_splits, scale, pos_stride,
-                       lane_rows, cache_lane_rows,
+                       lane_rows, cache_lane_rows, map_ptr,
                        BLOCK_R: tl.constexpr, BLOCK_HD: tl.constexpr, BLOCK_S: tl.constexpr,
-                       CHECK_WINDOW: tl.constexpr, IEEE: tl.constexpr, FUSED_ROPE: tl.constexpr):
+                       CHECK_WINDOW: tl.constexpr, IEEE: tl.constexpr, FUSED_ROPE: tl.constexpr,
+                       HAS_MAP: tl.constexpr):
     """One split of one (row, KV head)'s slots. FUSED_ROPE: q_ptr is the un-rotated qkv row; the program
     rotates its query heads, and the one program whose split holds this position's slot rotates the new
     key, writes key and value into that slot and uses them from registers (no other program reads it)."""
@@ -105,7 +111,10 @@ def _attn_split_kernel(q_ptr, kc_ptr, vc_ptr, pos_ptr, o_ptr, lse_ptr, cos_ptr, 
     sp = tl.program_id(1)  # which split of the slots
     r = pid // HKV
     g = pid % HKV
-    cr = (r // lane_rows) * cache_lane_rows + r % lane_rows  # the row's cache row
+    if HAS_MAP:  # each row's cache row, given
+        cr = tl.load(map_ptr + r)
+    else:
+        cr = (r // lane_rows) * cache_lane_rows + r % lane_rows  # the row's cache row
     pos = tl.load(pos_ptr + r * pos_stride).to(tl.int32)
     start = sp * split_len
     # slots past pos were never written; the last split that holds a written slot does the work
@@ -206,17 +215,22 @@ def _attn_merge_kernel(o_ptr, lse_ptr, out_ptr, pos_ptr, HD, slots, split_len, n
     tl.store(out_ptr + qh * HD + d, (acc / total).to(out_ptr.dtype.element_ty), mask=dm)
 
 
-def _cache_rows(cache_rows, rows: int, k_cache: Tensor) -> tuple[int, int]:
-    """(rows per lane, cache rows per lane): row r = lane * b + i reads and writes cache row lane * c + i
-    (a pool of c rows per lane whose first b are in use); None: row r is cache row r."""
+def _cache_rows(cache_rows, rows: int, k_cache: Tensor) -> tuple[int, int, Tensor | None]:
+    """(rows per lane, cache rows per lane, None): row r = lane * b + i reads and writes cache row
+    lane * c + i (a pool of c rows per lane whose first b are in use); None: row r is cache row r. A
+    tensor: each row's cache row (1, 1, the tensor)."""
+    if isinstance(cache_rows, Tensor):
+        if cache_rows.numel() != rows or not cache_rows.is_contiguous() or cache_rows.is_floating_point():
+            raise ValueError(f"a cache row per row: {rows} integers, contiguous; got {list(cache_rows.shape)}")
+        return 1, 1, cache_rows
     if cache_rows is None:
         if k_cache.shape[0] != rows:
             raise ValueError(f"a cache of {k_cache.shape[0]} rows for {rows} rows needs cache_rows")
-        return rows, rows
+        return rows, rows, None
     b, c = cache_rows
     if rows % b or k_cache.shape[0] != rows // b * c or b > c:
         raise ValueError(f"cache_rows {cache_rows} do not fit {rows} rows and a cache of {k_cache.shape[0]}")
-    return b, c
+    return b, c, None
 
 
 def _pos_stride(pos: Tensor, rows: int) -> int:
@@ -251,7 +265,12 @@ def decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor, w
 def rope_attention(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: Tensor, v_cache: Tensor,
                    num_q_heads: int, num_kv_heads: int, head_dim: int, window: int | None,
                    config: tuple[int, int, int] | None = None, cache_rows=None) -> Tensor:
-    """`rope_kv_write` then `decode_attention` in one kernel (plus the merge): qkv [N, (Hq + 2 Hkv) hd]."""
+    """`rope_kv_write` then `decode_attention` in one kernel (plus the merge): qkv [N, (Hq + 2 Hkv) hd].
+    With a cache row per row (a tensor `cache_rows`) rows may share a cache row (a verify's positions),
+    and one row reads what another writes: then the two kernels, one after the other."""
+    if isinstance(cache_rows, Tensor):
+        q = rope_kv_write(qkv, cos, sin, pos, k_cache, v_cache, num_q_heads, num_kv_heads, head_dim, cache_rows)
+        return decode_attention(q, k_cache, v_cache, pos, window, config, cache_rows)
     assert qkv.shape[1] == (num_q_heads + 2 * num_kv_heads) * head_dim and k_cache.shape[1] == num_kv_heads
     assert cos.is_contiguous() and sin.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
     return _attention(qkv.contiguous(), k_cache, v_cache, pos, window, config, rope=(cos, sin, num_q_heads),
@@ -260,7 +279,7 @@ def rope_attention(qkv: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, k_cache: 
 
 def _attention(q, k_cache, v_cache, pos, window, config, rope, cache_rows=None):
     N = q.shape[0]
-    lane_rows, cache_lane_rows = _cache_rows(cache_rows, N, k_cache)
+    lane_rows, cache_lane_rows, row_map = _cache_rows(cache_rows, N, k_cache)
     hkv, slots, hd = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
     hq = rope[2] if rope else q.shape[1]
     rep = hq // hkv
@@ -273,9 +292,9 @@ def _attention(q, k_cache, v_cache, pos, window, config, rope, cache_rows=None):
     cos, sin = (rope[0], rope[1]) if rope else (o_part, o_part)
     _attn_split_kernel[(N * hkv, n_splits)](
         q, k_cache, v_cache, pos, o_part, lse, cos, sin, hq, hkv, hd, rep, slots, window, split, n_splits,
-        hd ** -0.5, _pos_stride(pos, N), lane_rows, cache_lane_rows, BLOCK_R=max(16, _pow2(rep)), BLOCK_HD=max(16, _pow2(hd)), BLOCK_S=max(16, min(split, block_s)),
+        hd ** -0.5, _pos_stride(pos, N), lane_rows, cache_lane_rows, pos if row_map is None else row_map, BLOCK_R=max(16, _pow2(rep)), BLOCK_HD=max(16, _pow2(hd)), BLOCK_S=max(16, min(split, block_s)),
         CHECK_WINDOW=window < slots, IEEE=k_cache.dtype == torch.float32, FUSED_ROPE=rope is not None,
-        num_warps=warps)
+        HAS_MAP=row_map is not None, num_warps=warps)
     out = torch.empty(N, hq, hd, dtype=k_cache.dtype, device=q.device)
     _attn_merge_kernel[(N * hq,)](o_part, lse, out, pos, hd, slots, split, n_splits, hq, _pos_stride(pos, N),
                                   BLOCK_SP=min(16, _pow2(n_splits)), BLOCK_HD=_pow2(hd), num_warps=2)

@@ -143,6 +143,43 @@ def test_one_position_per_row_is_each_rows_own_step(fused, pool, slots, window, 
                              cache_rows=cache_rows)
 
 
+@pytest.mark.parametrize("fused,slots,window,start,S", [
+    (False, 48, None, 20, 5),   # a full layer: row j sees the rows before it and not those after
+    (False, 12, 8, 3, 4),       # a ring of the window plus 4 spare slots, not yet full
+    (True, 12, 8, 26, 4),       # the same ring wrapped: the later rows' writes land out of the earlier rows' window
+    (False, 20, 8, 40, 12),     # 12 positions at once into a ring of 8 + 12 slots
+])
+def test_rows_sharing_a_cache_row_are_consecutive_steps(fused, slots, window, start, S):
+    """A verify's positions (the CUDA step's verify graphs): S rows of one request, given their cache row
+    one per row, at positions start..start+S-1, write every key before any row attends, and row j
+    gives what the j-th of S steps of its own gives. The request is cache row 1 of a pool of 3 per lane
+    (two lanes); the other cache rows stay as they were. In a ring, the spare slots beyond the window keep
+    the rows' own writes out of each other's windows."""
+    hq, hkv, hd, L, c = 4, 2, 16, 2, 3
+    qkv, cos, sin, _, (kc, vc) = _rope_case(torch.float32, L * c, hq, hkv, hd, slots, 0, seed=slots + S)
+    qkv = qkv[:1].repeat(L * S, 1) + rnd(L * S, qkv.shape[1], dtype=torch.float32, seed=S)
+    pos = torch.arange(start, start + S).repeat(L)
+    rows = torch.tensor([lane * c + 1 for lane in range(L) for _ in range(S)])
+    alone_k, alone_v, alone = kc.clone(), vc.clone(), []
+    for lane in range(L):
+        for j in range(S):  # one step after another
+            r, row = lane * S + j, lane * c + 1
+            alone.append(reference.rope_attention(qkv[r:r + 1], cos, sin, pos[r:r + 1], alone_k[row:row + 1],
+                                                  alone_v[row:row + 1], hq, hkv, hd, window))
+    alone = torch.cat(alone)
+    for impl in ("triton", "torch"):
+        k, v = kc.clone(), vc.clone()
+        if fused:
+            got = ops.rope_attention(qkv, cos, sin, pos, k, v, hq, hkv, hd, window, impl=impl, cache_rows=rows)
+        else:
+            q = ops.rope_kv_write(qkv, cos, sin, pos, k, v, hq, hkv, hd, impl=impl, cache_rows=rows)
+            got = ops.decode_attention(q, k, v, pos, window, impl=impl, cache_rows=rows)
+        assert rel_err(got, alone) <= 3e-5, impl
+        assert rel_err(k, alone_k) <= 1e-6 and torch.equal(v, alone_v), impl
+    with pytest.raises(ValueError, match="cache row per row"):
+        ops.decode_attention(qkv.view(L * S, -1, hd)[:, :hq], kc, vc, pos, window, impl="triton", cache_rows=rows[1:])
+
+
 def test_decode_attention_reads_only_visible_slots():
     # poison every slot that must not be read: the result stays finite and unchanged
     q = rnd(1, 2, 16, dtype=torch.float32, seed=1)

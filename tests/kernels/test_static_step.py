@@ -33,7 +33,7 @@ def compare(eng, impl, n, prompt, steps, capacity=48, rel=1e-4, fused_rope=False
     ref_cache = KV_copy(cache)
     dec = StaticDecoder(model, capacity=capacity, graphs=False, impl=impl)
     dec.fused_rope = fused_rope
-    dec.load(cache)
+    dec.load(cache, prompt)
     worst = 0.0
     for p in range(prompt, prompt + steps):
         tok = (ids[:, p:p + 1] + torch.arange(n)[:, None]) % eng.cfg.vocab_size  # samples differ
@@ -72,7 +72,7 @@ def test_static_step_refuses_what_it_cannot_hold(tmp_path):
     dec = StaticDecoder(eng.model, capacity=16, graphs=False)
     _, cache = eng.model.prefill(torch.tensor([[1, 2, 3]]), 1, 20)
     with pytest.raises(ValueError, match="exceeds the static cache"):
-        dec.load(cache)
+        dec.load(cache, 3)
     with pytest.raises(RuntimeError, match="load"):
         dec.step(torch.tensor([[1]]), 3)
     with pytest.raises(ValueError, match="CUDA"):
@@ -208,3 +208,141 @@ def test_a_static_engine_batches_separate_requests_and_keeps_their_tokens(tmp_pa
         assert tokens == alone(prompt, params) and job.outcome == "completed"
         assert job.rows_per_step > params.n  # it shared steps
     assert static.runner.static.buckets and static.runner.static.rows_held == 0  # through the shared cache; all left
+
+
+# ---- speculative verification in the static step ------------------------------------------------------
+
+def _verify_rounds(eng, impl, prompt, rounds, capacity=64):
+    """A request loaded into the static step verifies S positions and keeps k of them, round after round,
+    with a plain step between rounds; the reference decodes exactly the kept tokens one step at a time on
+    its own cache. Every verify row's logits and every step's against the reference's."""
+    model, gen = eng.model, torch.Generator().manual_seed(prompt)
+    V = eng.cfg.vocab_size
+    ids = torch.randint(0, V, (1, prompt), generator=gen)
+    _, cache = model.prefill(ids, 1, capacity)
+    ref = KV_copy(cache)
+    dec = StaticDecoder(model, capacity=capacity, graphs=False, impl=impl)
+    dec.load(cache, prompt)
+    pos, worst = prompt, 0.0
+
+    def rel(got, want):
+        return ((got - want).abs().max() / want.abs().max()).item()
+    for S, keep in rounds:
+        tokens = torch.randint(0, V, (1, S), generator=gen)
+        got, kept = dec.verify(tokens, pos)
+        probe = ref
+        for j in range(S):  # what each position's decode step gives after the tokens before it
+            if j == keep:
+                probe = KV_copy(ref)  # past the kept ones: on a copy, as if never written
+            worst = max(worst, rel(got[0, j], model.decode(tokens[:, j:j + 1], pos + j, probe)[0]))
+        kept.keep(keep)
+        pos += keep
+        tok = torch.randint(0, V, (1, 1), generator=gen)
+        worst = max(worst, rel(dec.step(tok, pos), model.decode(tok, pos, ref)))
+        pos += 1
+    return worst, dec
+
+
+@pytest.mark.parametrize("name", ["delay 2, early comm", "delay 1, vocab-parallel head, GQA 3"])
+def test_a_verify_in_the_static_step_is_consecutive_decode_steps(tmp_path, name):
+    """The prompt (11) is longer than the window (8): the ring arrives wrapped and moves into the static
+    ring of 8 + K_MAX slots. Rounds keep none, some and all of their positions, the longest verify (16)
+    included, and the steps after them see only what was kept. (The Triton kernels' rows sharing one
+    cache row: tests/kernels/test_kernels.py.)"""
+    eng = engine_for(tmp_path, CONFIGS[name])
+    worst, dec = _verify_rounds(eng, "torch", 11, [(4, 2), (6, 0), (16, 16), (3, 3), (9, 5)])
+    assert worst <= 1e-4, f"max relative |Δlogit| {worst:.3g}"
+    assert {n for _, n in dec.verifies} == {4, 8, 16}  # padded up to buckets
+    with pytest.raises(ValueError, match="1 to 16 positions"):
+        dec.verify(torch.zeros(1, 17, dtype=torch.long), 40)
+
+
+def test_a_resident_request_verifies_in_the_shared_cache(tmp_path):
+    """Two requests share the static cache; one verifies while the other sits out, both step on together,
+    and each one's logits are its own decode steps' (the other's rows untouched)."""
+    import gc
+
+    eng = engine_for(tmp_path, CONFIGS["delay 2, early comm"])
+    model, gen, V = eng.model, torch.Generator().manual_seed(3), eng.cfg.vocab_size
+    dec = StaticDecoder(model, capacity=64, graphs=False, impl="torch")
+    own, ref, pos = {}, {}, {"a": 10, "b": 4}
+    for name, p in pos.items():
+        own[name] = model.prefill(torch.randint(0, V, (1, p), generator=gen), 1, 60)[1]
+        ref[name] = KV_copy(own[name])
+    worst = 0.0
+
+    def rel(got, want):
+        return ((got - want).abs().max() / want.abs().max()).item()
+
+    def both():
+        nonlocal worst
+        tokens = torch.randint(0, V, (2, 1), generator=gen)
+        got = dec.groups(tokens, [(pos["a"], own["a"]), (pos["b"], own["b"])])
+        for i, name in enumerate(("a", "b")):
+            worst = max(worst, rel(got[i], model.decode(tokens[i:i + 1], pos[name], ref[name])[0]))
+            pos[name] += 1
+    both()
+    assert dec.can_verify(own["a"]) and not dec.can_verify(object())
+    for S, keep in ((5, 2), (12, 12), (2, 0)):
+        tokens = torch.randint(0, V, (1, S), generator=gen)
+        got, kept = dec.verify(tokens, pos["a"], own["a"])
+        for j in range(keep):
+            worst = max(worst, rel(got[0, j], model.decode(tokens[:, j:j + 1], pos["a"] + j, ref["a"])[0]))
+        kept.keep(keep)
+        pos["a"] += keep
+        both()
+    with pytest.raises(ValueError, match="asked to verify"):
+        dec.verify(torch.zeros(1, 2, dtype=torch.long), pos["a"] + 1, own["a"])
+    assert worst <= 1e-4, f"max relative |Δlogit| {worst:.3g}"
+    del own["b"]
+    gc.collect()
+    both_gone = dec.groups(torch.zeros(1, 1, dtype=torch.long), [(pos["a"], own["a"])])
+    assert both_gone.shape[0] == 1 and dec.rows_held == 1
+
+
+def test_a_static_engine_speculates_and_keeps_the_greedy_tokens(tmp_path):
+    """Greedy requests with prompt lookup through the static step (alone: the batch-1 cache; through the
+    scheduler: the shared cache) give the tokens of the plain engine without speculation."""
+    import asyncio
+
+    from laneplay.engine.sampling import SamplingParams
+    from laneplay.engine.scheduler import STARTED, Queued, Scheduler
+
+    raw = tiny_laneformer_config()
+    write_checkpoint(tmp_path / "ckpt", raw, random_laneformer_tensors(raw, seed=6))
+    plain, static = load_engine(tmp_path / "ckpt"), load_engine(tmp_path / "ckpt", graphs=True)
+    base = list(range(40, 52))
+    prompt = base * 3 + base[:4]  # repeats: the lookup has something to find
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+
+    def run(eng, mode):
+        toks, final = [], None
+        for ev in eng.generate(prompt, params, speculative=mode):
+            toks += ev.token_ids
+            final = ev.metrics if ev.finish_reason else final
+        return toks, final
+
+    want, _ = run(plain, "off")
+    got, m = run(static, "lookup")
+    assert got == want and m.speculative == "lookup" and m.draft_tokens > 0
+    assert m.decode_steps + m.accepted_tokens == 29
+
+    async def two():
+        sched = Scheduler(static)
+        sched.start()
+
+        async def collect(job):
+            out = []
+            async for ev in job.stream():
+                if ev is not STARTED and not isinstance(ev, Queued):
+                    out += ev.token_ids
+            return out, job
+        try:
+            jobs = [sched.submit(*static.prepare(prompt, params), speculative="lookup") for _ in range(2)]
+            return await asyncio.gather(*(collect(j) for j in jobs))
+        finally:
+            sched.close()
+
+    for tokens, job in asyncio.run(two()):
+        assert tokens == want and job.outcome == "completed"
+    assert ("shared", 2) in static.runner.static.verifies or ("shared", 4) in static.runner.static.verifies
