@@ -97,19 +97,25 @@ run: venv sysdeps
 	$(VENV)/bin/laneplay serve
 
 # -P: the repository root is not on sys.path; tests import the installed `laneplay` package only.
-# Two parts. First everything but the browser tests in TEST_WORKERS processes (pytest-xdist; a test file
+# Two parts at once. Everything but the browser tests in TEST_WORKERS processes (pytest-xdist; a test file
 # is one unit of work), with one torch thread per worker (OpenMP threads that
 # spin on a shared core slow every worker); tests that ask for more threads get OpenMP threads that sleep
 # while they wait, and torch.compile compiles in the worker, not in a pool of its own. A worker waits on
 # its engines, servers and sockets much of the time, so one worker more than there are cores keeps them
 # busy (2 cores: 2 workers 309 s, 3 workers 234 s, 4 workers 288 s); at most 4, as each holds models and
-# servers of its own. Then the browser tests alone: they share one app server and one browser, and time
-# what they see. Each part ends with its slowest tests. It writes nothing into the repository.
+# servers of its own. Beside them, in a process of their own, the browser tests: they share one app
+# server and one browser and mostly wait on the page (alone they keep ~0.6 of a core busy for 150-200 s),
+# so they run in the time the others leave. Their report follows the first part's; each part ends with
+# its slowest tests, and `make test` fails if either fails. It writes nothing into the repository.
 TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n + 1 : 4 )))
 PARALLEL_ENV := OMP_NUM_THREADS=1 OMP_WAIT_POLICY=PASSIVE TORCHINDUCTOR_COMPILE_THREADS=1
 test: venv sysdeps
-	$(PARALLEL_ENV) $(PY) -P -m pytest -n $(TEST_WORKERS) --dist loadfile --ignore=tests/browser --durations=20
-	$(PY) -P -m pytest tests/browser --durations=10
+	@report=$$(mktemp); \
+	$(PY) -P -m pytest tests/browser --durations=10 > $$report 2>&1 & browser=$$!; \
+	$(PARALLEL_ENV) $(PY) -P -m pytest -n $(TEST_WORKERS) --dist loadfile --ignore=tests/browser --durations=20; \
+	rest=$$?; wait $$browser; web=$$?; \
+	echo "---- tests/browser (run beside the others) ----"; cat $$report; rm -f $$report; \
+	test $$rest = 0 && test $$web = 0
 
 # The README's screenshots (docs/screenshots/*.png), taken by the browser tests' own flows.
 screenshots: venv sysdeps
