@@ -110,7 +110,7 @@ def test_the_serving_tables_are_generated_from_the_json(tmp_path):
         "when": "2026-12-06", "machine": machine, "dtype": "int4", "tokens": 128, "quiet": {"quiet": False},
         "step_costs": [{"requests": 4, "ms_per_step": 14.3, "vs_one": 2.01, "ms_per_row": 3.57}],
         "users": [{"engine": "batched", "users": 4, "ttft_min_ms": 90, "ttft_median_ms": 242, "ttft_max_ms": 369,
-                   "wall_s": 3.57, "wall_vs_alone": 2.66, "rows_per_step": 4.0}],
+                   "wall_s": 3.57, "wall_vs_alone": 2.66, "wall_vs_slowest_alone": 1.91, "rows_per_step": 4.0}],
         "prefix_reuse": {"prompt_tokens": 1017, "cached_tokens": 512, "prefill_chunk": 512, "warm_ttft_ms": 1563,
                          "cold_ttft_ms": 2896, "warm_vs_cold": 0.54}}))
     (tmp_path / "serving.json").write_text(json.dumps({
@@ -123,8 +123,9 @@ def test_the_serving_tables_are_generated_from_the_json(tmp_path):
         "users": [{"engine": "batched by the ranks", "users": 4, "ttft_min_ms": 364, "ttft_median_ms": 1086,
                    "ttft_max_ms": 1543, "wall_s": 17.16, "wall_vs_alone": 2.2, "rows_per_step": 4.0}]}))
     text = report(tmp_path)
-    assert "| 4 | 14.3 | 2.01 | 3.57 |" in text and "| batched | 4 | 90 | 242 | 369 | 3.57 | 2.66 | 4.0 |" in text
-    assert "on 3 DTP ranks (int4" in text and "| batched by the ranks | 4 | 364 | 1086 | 1543 | 17.16 | 2.20 | 4.0 |" in text
+    assert "| 4 | 14.3 | 2.01 | 3.57 |" in text and "| batched | 4 | 90 | 242 | 369 | 3.57 | 2.66 | 1.91 | 4.0 |" in text
+    # a run from before the column: a dash in its place
+    assert "on 3 DTP ranks (int4" in text and "| batched by the ranks | 4 | 364 | 1086 | 1543 | 17.16 | 2.20 | – | 4.0 |" in text
     assert "512 prompt tokens reused" in text and "(0.54)" in text and "flagged noisy" in text
     assert "| llama-server | 4 | 300 | 2000 | 20.0 | 90.0 | 40.0 | 120.0 |" in text
     # a run checked before and after (a list of records) is flagged when either check found the machine busy
