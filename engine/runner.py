@@ -72,7 +72,7 @@ class LocalRunner:
         (`StaticDecoder.verify`, a graph per bucket on CUDA) where the request's KV lives there, else
         `LaneModel.verify`."""
         t0 = time.perf_counter()
-        if self.static is not None and (self._static_now if cache is None else self.static.can_verify(cache)):
+        if self.static is not None and (self._static_now if cache is None else self.static.can_verify(cache, pos)):
             logits, rewind = self.static.verify(tokens, pos, cache)
         else:
             logits, rewind = self.model.verify(tokens, pos, self.cache if cache is None else cache)

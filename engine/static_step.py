@@ -260,12 +260,15 @@ class StaticDecoder:
             self.verifies[where, n] = b
         return b
 
-    def can_verify(self, cache=None) -> bool:
+    def can_verify(self, cache=None, pos: int | None = None) -> bool:
         """Whether a verify can run here: the batch-1 request of `load`/`step` (cache None), or a request
-        of one sample resident in the shared cache."""
+        of one sample resident in the shared cache. Given its position, a request of one sample that is
+        not resident yet but fits (`inside`) moves in now, as its first shared step would move it."""
         if cache is None:
             one = self.batches.get(1)
             return one is not None and one.loaded
+        if pos is not None and cache.batch == 1 and id(cache) not in self.resident and self.inside([(pos, cache)])[0]:
+            self._arrange([(pos, cache)])
         r = self.resident.get(id(cache))
         return r is not None and r.n == 1 and id(cache) not in self._gone
 

@@ -259,20 +259,21 @@ def test_a_verify_in_the_static_step_is_consecutive_decode_steps(tmp_path, name)
 
 def test_a_resident_request_verifies_in_the_shared_cache(tmp_path):
     """Two requests share the static cache; one verifies while the other sits out, both step on together,
-    and each one's logits are its own decode steps' (the other's rows untouched)."""
+    and each one's logits are its own decode steps' (the other's rows untouched). A request whose first
+    step is a verify moves into the shared cache for it."""
     import gc
 
     eng = engine_for(tmp_path, CONFIGS["delay 2, early comm"])
     model, gen, V = eng.model, torch.Generator().manual_seed(3), eng.cfg.vocab_size
     dec = StaticDecoder(model, capacity=64, graphs=False, impl="torch")
     own, ref, pos = {}, {}, {"a": 10, "b": 4}
-    for name, p in pos.items():
-        own[name] = model.prefill(torch.randint(0, V, (1, p), generator=gen), 1, 60)[1]
-        ref[name] = KV_copy(own[name])
     worst = 0.0
 
     def rel(got, want):
         return ((got - want).abs().max() / want.abs().max()).item()
+    for name, p in pos.items():
+        own[name] = model.prefill(torch.randint(0, V, (1, p), generator=gen), 1, 60)[1]
+        ref[name] = KV_copy(own[name])
 
     def both():
         nonlocal worst
@@ -281,8 +282,16 @@ def test_a_resident_request_verifies_in_the_shared_cache(tmp_path):
         for i, name in enumerate(("a", "b")):
             worst = max(worst, rel(got[i], model.decode(tokens[i:i + 1], pos[name], ref[name])[0]))
             pos[name] += 1
+    c = model.prefill(torch.randint(0, V, (1, 6), generator=gen), 1, 40)[1]  # a third request verifies first
+    ref_c = KV_copy(c)
+    tokens = torch.randint(0, V, (1, 4), generator=gen)
+    assert dec.can_verify(c, 6) and dec.rows_held == 1  # it moved into the shared cache to verify there
+    got, _ = dec.verify(tokens, 6, c)
+    worst = max(rel(got[0, j], model.decode(tokens[:, j:j + 1], 6 + j, ref_c)[0]) for j in range(4))
+    del c
+    gc.collect()
     both()
-    assert dec.can_verify(own["a"]) and not dec.can_verify(object())
+    assert dec.can_verify(own["a"]) and dec.rows_held == 2 and not dec.can_verify(object())
     for S, keep in ((5, 2), (12, 12), (2, 0)):
         tokens = torch.randint(0, V, (1, S), generator=gen)
         got, kept = dec.verify(tokens, pos["a"], own["a"])
