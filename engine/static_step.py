@@ -1,5 +1,8 @@
-"""The CUDA decode step: static buffers, the position on the device, one CUDA graph per batch size, and
-for separate requests in one step a shared static cache with one graph per bucket of rows (`groups`).
+"""The CUDA decode step: static buffers, the position on the device, one CUDA graph per batch size, for
+separate requests in one step a shared static cache with one graph per bucket of rows (`groups`), and
+for speculative decoding a verify of up to K_MAX + 1 positions of one request in one graph per bucket of
+positions (`verify`; the static caches' rings carry SPARE slots beyond each window, so nothing a verify
+writes needs restoring).
 
 `StaticDecoder` runs the same function as `LaneModel.decode` (docs/laneformer.md §3-§7, all lanes in this
 process) through the kernels of `laneplay.kernels` over buffers whose addresses never change: a KV
