@@ -22,7 +22,13 @@ Admission, stated as policy:
   rows in all (4 by default: what a step of 4 rows costs over one is what an interactive request pays,
   bench/results/batching.json); the batch requests that do not fit wait that step out with their
   caches kept (they resume exactly where they were), so a pass@N run slows, not the Playground;
-- the rows' KV caches together stay within the engine's KV budget.
+- the rows' KV caches together stay within the engine's KV budget;
+- while interactive requests decode, prompt chunks take at most `prefill_share` of the engine's time
+  (3/4 by default): after a chunk of d seconds the decoding rows step for d (1 - share) / share seconds
+  before the next chunk runs, so a long prompt joining slows their streams instead of stopping them
+  (a 128-token chunk of the default model takes 400-600 ms on two cores, a step ~10 ms: one token per
+  chunk would be ~2 tokens/s). With no interactive request decoding, chunks run back to back: a
+  request alone prefills as fast as ever.
 
 Generation is synchronous torch code, so it runs in this thread, never on the event loop; each event
 crosses over to the request's asyncio.Queue with one `call_soon_threadsafe`. A request whose client
@@ -53,6 +59,7 @@ PRIORITIES = ("interactive", "batch")
 MAX_ROWS = 16  # rows per decode step (see the module's policy)
 INTERACTIVE_RESERVE = 4  # rows batch requests leave free
 SHARED_ROWS = 4  # rows in a step where interactive requests decode beside batch ones
+PREFILL_SHARE = 0.75  # the most of the engine's time prompt chunks take while interactive requests decode
 
 
 class QueueFull(Exception):
@@ -123,7 +130,7 @@ class Scheduler:
     def __init__(self, engine, max_queue: int = 32, request_timeout_s: float = 600.0,
                  on_finish: Callable[[Job], None] | None = None, max_rows: int = MAX_ROWS,
                  interactive_reserve: int = INTERACTIVE_RESERVE, prefill_budget: int | None = None,
-                 prefix_cache: bool = True, shared_rows: int = SHARED_ROWS):
+                 prefix_cache: bool = True, shared_rows: int = SHARED_ROWS, prefill_share: float = PREFILL_SHARE):
         self.engine = engine
         self.max_queue = max_queue
         self.request_timeout_s = request_timeout_s
@@ -138,6 +145,10 @@ class Scheduler:
         self.shared_rows = shared_rows
         runtime = getattr(engine, "runtime", None)
         self.prefill_budget = prefill_budget or getattr(runtime, "prefill_chunk", PREFILL_CHUNK)
+        if not 0 < prefill_share <= 1:
+            raise ValueError(f"prefill_share must be in (0, 1], got {prefill_share}")
+        self.prefill_share = prefill_share
+        self._decode_owed = 0.0  # seconds of decode steps due before the next prompt chunk (prefill_share)
         self.kv_budget = getattr(runtime, "kv_budget_bytes", 0) or 0
         self.on_step: Callable[[int, float], None] | None = None  # (rows, seconds) of each decode step
         self.prefixes = None  # recently prefilled prompts' KV (batched engines): up to a quarter of the budget
@@ -386,9 +397,15 @@ class Scheduler:
                     self._end(job, "error")
 
     def _iterate(self, seqs: dict) -> None:
-        """One step boundary: stopped requests leave, prompts advance, every decoding row gets a token."""
+        """One step boundary: stopped requests leave, prompts advance (unless the decoding rows are owed
+        time, see `prefill_share`), every decoding row gets a token."""
         self._leave(seqs)
-        for job, seq in prompt_turns(list(seqs.items()), self.prefill_budget, self.engine.runtime.prefill_chunk):
+        streaming = any(j.priority == "interactive" and not s.prefilling and not s.finished for j, s in seqs.items())
+        if not streaming:
+            self._decode_owed = 0.0
+        turns = prompt_turns(list(seqs.items()), self.prefill_budget, self.engine.runtime.prefill_chunk)
+        t_chunks = time.perf_counter()
+        for job, seq in (turns if self._decode_owed <= 0 else ()):
             try:
                 events = seq.prefill_chunk()
             except Exception as e:  # this prompt failed (memory, say): it ends, the others go on
@@ -400,15 +417,18 @@ class Scheduler:
             self._emit(job, events)
             if seq.finished:
                 self._complete(job, seqs)
+        if streaming and self._decode_owed <= 0:
+            self._decode_owed = (time.perf_counter() - t_chunks) * (1 - self.prefill_share) / self.prefill_share
         self._leave(seqs)  # a stop that came during the prompts ends before the next token, as alone
         decoding = self._step_rows([(j, s) for j, s in seqs.items() if not s.prefilling and not s.finished])
         if not decoding:
             return
         t0 = time.perf_counter()
         events = decode_step(self.engine.runner, [s for _, s in decoding])
-        rows = sum(s.n for _, s in decoding)
+        rows, seconds = sum(s.n for _, s in decoding), time.perf_counter() - t0
+        self._decode_owed -= seconds
         if self.on_step:
-            self.on_step(rows, time.perf_counter() - t0)
+            self.on_step(rows, seconds)
         for (job, seq), evs in zip(decoding, events):
             job.steps += 1
             job.step_rows += rows

@@ -408,3 +408,39 @@ def test_a_waiting_request_hears_its_place_in_line_move(int4_engine):
     heard = asyncio.run(main())
     assert heard[-1] == "started" and heard[:-1] and heard[:-1][-1] == 1
     assert heard[:-1] == sorted(heard[:-1], reverse=True)  # it only ever moves up
+
+
+@pytest.mark.parametrize("share", [1.0, 0.5])
+def test_a_long_prompt_joining_takes_at_most_its_share_of_the_time(int4_engine, share):
+    """A request decodes while a 3-chunk prompt joins. With prefill_share 1 the chunks run one per step
+    (the decoding request gets one token per chunk); with 1/2 the decoding request steps for as long as
+    each chunk took before the next one runs (a step is far shorter than a chunk: many tokens per
+    chunk). Either way both get the tokens they get alone."""
+    eng = int4_engine
+    chunk = eng.runtime.prefill_chunk
+    long_ids = (eng.tokenizer.encode(PROMPTS[3]) * 200)[:3 * chunk - 5]
+    streamer = (PROMPTS[0], SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True))
+    joiner = (long_ids, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    seen = {}
+
+    async def when_streaming(sched, jobs):
+        if len(jobs) == 1:
+            while jobs[0].steps < 2:
+                await asyncio.sleep(0.002)
+            seen["before"] = jobs[0].steps
+        else:  # the joiner's first decode step: its prompt is done
+            async def watch():
+                while jobs[1].steps < 1:
+                    await asyncio.sleep(0.001)
+                seen["after"] = jobs[0].steps
+            seen["task"] = asyncio.ensure_future(watch())
+
+    got = run_together(eng, [streamer, joiner], {"prefill_share": share}, between=when_streaming)
+    during = seen["after"] - seen["before"]
+    if share == 1.0:
+        assert during <= 3 + 2, during  # one step per chunk (and the step after the last)
+    else:
+        assert during >= 3 * 3, during
+    assert got[0][0] == alone(eng, *streamer) and got[1][0] == alone(eng, *joiner)
+    with pytest.raises(ValueError, match="prefill_share"):
+        Scheduler(eng, prefill_share=0)
