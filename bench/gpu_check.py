@@ -377,23 +377,18 @@ def decode_speed(name: str, cfg: ModelConfig, weights: dict, dev, bw: dict, step
         except Exception:
             out.setdefault("errors", []).append(traceback.format_exc())
 
-        # separate requests in one step: the shared cache's bucket graphs, k requests at their own positions
-        try:
-            out["buckets"] = bucket_steps(model, ids, prompt, steps)
-            log(f"{name}: k separate requests per graph step: " + "; ".join(
-                f"{r['requests']}: {r['ms_per_step']:.3f} ms ({r['vs_one']:.2f}x one, rel |dlogit| "
-                f"{r['max_rel_dlogit']:.1e})" for r in out["buckets"]))
-        except Exception:
-            out.setdefault("errors", []).append(traceback.format_exc())
-
-        # speculative verification: S positions of one request in one captured verify graph
-        try:
-            out["verifies"] = verify_steps(model, ids, prompt, steps)
-            log(f"{name}: verify of S positions per graph: " + "; ".join(
-                f"{r['positions']}: {r['ms_per_verify']:.3f} ms ({r['vs_step']:.2f}x a step, rel |dlogit| "
-                f"{r['max_rel_dlogit']:.1e})" for r in out["verifies"]))
-        except Exception:
-            out.setdefault("errors", []).append(traceback.format_exc())
+        # separate requests in one step (the shared cache's bucket graphs, k requests at their own positions),
+        # and speculative verification (S positions of one request in one captured verify graph)
+        for key, fn, what, row in (
+                ("buckets", bucket_steps, "k separate requests per graph step",
+                 lambda r: f"{r['requests']}: {r['ms_per_step']:.3f} ms ({r['vs_one']:.2f}x one"),
+                ("verifies", verify_steps, "verify of S positions per graph",
+                 lambda r: f"{r['positions']}: {r['ms_per_verify']:.3f} ms ({r['vs_step']:.2f}x a step")):
+            try:
+                out[key] = fn(model, ids, prompt, steps)
+                log(f"{name}: {what}: " + "; ".join(f"{row(r)}, rel |dlogit| {r['max_rel_dlogit']:.1e})" for r in out[key]))
+            except Exception:
+                out.setdefault("errors", []).append(traceback.format_exc())
 
         # the engine's loop: a LocalRunner with the graph step (greedy on device, ids read back per token)
         try:

@@ -107,6 +107,21 @@ def test_rope_attention_fused(dtype, N, hq, hkv, hd, slots, pos, window, config)
     assert rel_err(kc, kr) <= TOL[dtype] and torch.equal(vc, vr)
 
 
+def _rows_match(fused, case, cache_rows, alone, alone_k, alone_v):
+    """The Triton kernels and the torch reference, fused or as the two kernels, on copies of the caches:
+    the rows' outputs and the caches they leave are those of the rows' own steps (alone, alone_k/v)."""
+    qkv, cos, sin, pos, kc, vc, hq, hkv, hd, window = case
+    for impl in ("triton", "torch"):
+        k, v = kc.clone(), vc.clone()
+        if fused:
+            got = ops.rope_attention(qkv, cos, sin, pos, k, v, hq, hkv, hd, window, impl=impl, cache_rows=cache_rows)
+        else:
+            q = ops.rope_kv_write(qkv, cos, sin, pos, k, v, hq, hkv, hd, impl=impl, cache_rows=cache_rows)
+            got = ops.decode_attention(q, k, v, pos, window, impl=impl, cache_rows=cache_rows)
+        assert rel_err(got, alone) <= 3e-5, impl
+        assert rel_err(k, alone_k) <= 1e-6 and torch.equal(v, alone_v), impl
+
+
 @pytest.mark.parametrize("fused,pool", [(False, False), (True, True), (False, True)])
 @pytest.mark.parametrize("slots,window,positions", [
     (48, None, [3, 40, 17, 0]),       # a full layer: each row sees its own prefix
@@ -129,15 +144,7 @@ def test_one_position_per_row_is_each_rows_own_step(fused, pool, slots, window, 
         k1, v1 = alone_k[own[n]:own[n] + 1], alone_v[own[n]:own[n] + 1]
         alone.append(reference.rope_attention(qkv[n:n + 1], cos, sin, torch.tensor([pos]), k1, v1, hq, hkv, hd, window))
     alone = torch.cat(alone)
-    for impl in ("triton", "torch"):
-        k, v = kc.clone(), vc.clone()
-        if fused:
-            got = ops.rope_attention(qkv, cos, sin, per_row, k, v, hq, hkv, hd, window, impl=impl, cache_rows=cache_rows)
-        else:
-            q = ops.rope_kv_write(qkv, cos, sin, per_row, k, v, hq, hkv, hd, impl=impl, cache_rows=cache_rows)
-            got = ops.decode_attention(q, k, v, per_row, window, impl=impl, cache_rows=cache_rows)
-        assert rel_err(got, alone) <= 3e-5, impl
-        assert rel_err(k, alone_k) <= 1e-6 and torch.equal(v, alone_v), impl
+    _rows_match(fused, (qkv, cos, sin, per_row, kc, vc, hq, hkv, hd, window), cache_rows, alone, alone_k, alone_v)
     with pytest.raises(ValueError, match="one per row"):
         ops.decode_attention(qkv.view(N, -1, hd)[:, :hq], kc, vc, per_row[:2], window, impl="triton",
                              cache_rows=cache_rows)
@@ -167,15 +174,7 @@ def test_rows_sharing_a_cache_row_are_consecutive_steps(fused, slots, window, st
             alone.append(reference.rope_attention(qkv[r:r + 1], cos, sin, pos[r:r + 1], alone_k[row:row + 1],
                                                   alone_v[row:row + 1], hq, hkv, hd, window))
     alone = torch.cat(alone)
-    for impl in ("triton", "torch"):
-        k, v = kc.clone(), vc.clone()
-        if fused:
-            got = ops.rope_attention(qkv, cos, sin, pos, k, v, hq, hkv, hd, window, impl=impl, cache_rows=rows)
-        else:
-            q = ops.rope_kv_write(qkv, cos, sin, pos, k, v, hq, hkv, hd, impl=impl, cache_rows=rows)
-            got = ops.decode_attention(q, k, v, pos, window, impl=impl, cache_rows=rows)
-        assert rel_err(got, alone) <= 3e-5, impl
-        assert rel_err(k, alone_k) <= 1e-6 and torch.equal(v, alone_v), impl
+    _rows_match(fused, (qkv, cos, sin, pos, kc, vc, hq, hkv, hd, window), rows, alone, alone_k, alone_v)
     with pytest.raises(ValueError, match="cache row per row"):
         ops.decode_attention(qkv.view(L * S, -1, hd)[:, :hq], kc, vc, pos, window, impl="triton", cache_rows=rows[1:])
 
