@@ -9,6 +9,7 @@ from pathlib import Path
 
 from laneplay.engine.checkpoint import DEFAULT_MODEL
 from laneplay.engine.runtime import DTYPE_CHOICES, PREFILL_CHUNK
+from laneplay.processes import in_own_thread
 from laneplay.protocol import STAGE_WARMING_UP, stage_line
 
 
@@ -58,21 +59,27 @@ def run(args) -> int:
     def stage(name: str) -> None:  # one line per stage on stderr: `laneplay serve` shows them
         print(stage_line(name), file=sys.stderr, flush=True)
 
+    def load():
+        return load_engine(args.model, device=args.device, dtype=args.dtype, world_size=args.world_size,
+                           compile=False if args.no_compile else "auto",
+                           graphs=False if args.no_cuda_graphs else "auto", kv_budget_gb=args.kv_budget_gb,
+                           prefill_chunk=args.prefill_chunk, progress=stage)
+
+    def warm_up(eng):  # one tiny request first, so the first client does not pay for lazy initialisation
+        stage(STAGE_WARMING_UP)
+        for _ in eng.generate("Hello", SamplingParams(max_tokens=2, temperature=0.0)):
+            pass
+
+    # Loading and the warm-up run in a thread that ends, so that the scheduler's worker is the one thread
+    # whose parallel torch ops keep an OpenMP pool (`processes.in_own_thread`).
     try:
-        eng = load_engine(args.model, device=args.device, dtype=args.dtype, world_size=args.world_size,
-                          compile=False if args.no_compile else "auto",
-                          graphs=False if args.no_cuda_graphs else "auto", kv_budget_gb=args.kv_budget_gb,
-                          prefill_chunk=args.prefill_chunk,
-                          progress=stage)
+        eng = in_own_thread(load)
     except (ValueError, OSError) as e:
         print(f"laneplay engine: {e}", file=sys.stderr)
         return 2
     app = None
     try:
-        # One tiny request first, so the first client does not pay for lazy initialisation.
-        stage(STAGE_WARMING_UP)
-        for _ in eng.generate("Hello", SamplingParams(max_tokens=2, temperature=0.0)):
-            pass
+        in_own_thread(warm_up, eng)
         name = args.served_model_name or (None if Path(args.model).expanduser().exists() else args.model)
         app = create_app(eng, api_key=api_key, max_queue=args.max_queue, request_timeout_s=args.request_timeout,
                          max_rows=args.max_rows, model_name=name)
