@@ -70,16 +70,18 @@ def run(args) -> int:
         for _ in eng.generate("Hello", SamplingParams(max_tokens=2, temperature=0.0)):
             pass
 
-    # Loading and the warm-up run in a thread that ends, so that the scheduler's worker is the one thread
-    # whose parallel torch ops keep an OpenMP pool (`processes.in_own_thread`).
+    # In one process, loading and the warm-up run in a thread that ends, so that the scheduler's worker is
+    # the one thread whose parallel torch ops keep an OpenMP pool (`processes.in_own_thread`). DTP ranks
+    # are child processes that die with the thread that started them: those load here.
+    own = in_own_thread if args.world_size == 1 else (lambda fn, *a: fn(*a))
     try:
-        eng = in_own_thread(load)
+        eng = own(load)
     except (ValueError, OSError) as e:
         print(f"laneplay engine: {e}", file=sys.stderr)
         return 2
     app = None
     try:
-        in_own_thread(warm_up, eng)
+        own(warm_up, eng)
         name = args.served_model_name or (None if Path(args.model).expanduser().exists() else args.model)
         app = create_app(eng, api_key=api_key, max_queue=args.max_queue, request_timeout_s=args.request_timeout,
                          max_rows=args.max_rows, model_name=name)

@@ -36,7 +36,9 @@ def in_own_thread(fn, *args, **kwargs):
     libgomp counts itself oversubscribed and puts its waiting threads to sleep after every parallel
     region. A server that loads its model in the main thread and runs it in a worker then pays a
     wake-up per op: a 128-token prompt chunk of the default model took 385-480 ms there against
-    290-310 ms when the loading thread had ended (2 cores).
+    290-310 ms when the loading thread had ended (2 cores). Start no child process that dies with its
+    parent (`die_with_parent`) in it: the kernel ties that to the thread that started the child, so
+    the child would die when this call returns.
     """
     box: dict = {}
 
