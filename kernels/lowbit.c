@@ -809,23 +809,34 @@ static void axpy_f32(float *y, float a, const float *x, int64_t n) {
 }
 
 #ifdef LP_X86
-/* sc[t] = scale * q . K[t] for t < n; four keys at a time (independent FMA chains). hd % 8 == 0. */
+/* Eight keys' sums at once, each summed exactly as hsum8 sums it alone: ((v0 + v4) + (v2 + v6)) +
+ * ((v1 + v5) + (v3 + v7)), the halves added by 128-bit lane swaps and HADD instead of one key at a time. */
+AVX2_FN static inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6,
+                                     __m256 a7) {
+#define HALVES(x, y) _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20), _mm256_permute2f128_ps(x, y, 0x31))
+#define EVEN_ODD(x) _mm256_permute_ps(x, _MM_SHUFFLE(3, 1, 2, 0))
+    __m256 b04 = EVEN_ODD(HALVES(a0, a4)), b15 = EVEN_ODD(HALVES(a1, a5));  /* [v0+v4, v2+v6, v1+v5, v3+v7] */
+    __m256 b26 = EVEN_ODD(HALVES(a2, a6)), b37 = EVEN_ODD(HALVES(a3, a7));
+#undef EVEN_ODD
+#undef HALVES
+    /* [keys 0, 1 | 4, 5] and [2, 3 | 6, 7] as (c0 + c2, c1 + c3) pairs, then each pair's sum: keys 0..7 */
+    return _mm256_hadd_ps(_mm256_hadd_ps(b04, b15), _mm256_hadd_ps(b26, b37));
+}
+
+/* sc[t] = scale * q . K[t] for t < n; eight keys at a time (independent FMA chains), then one. Each key's
+ * products and sums are the same operations in the same order whichever way it is grouped. hd % 8 == 0. */
 AVX2_FN static void scores_avx2(const float *q, const float *K, int64_t n, int64_t hd, float scale, float *sc) {
     int64_t t = 0;
-    for (; t + 4 <= n; t += 4) {
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (; t + 8 <= n; t += 8) {
+        __m256 a[8];
         const float *k = K + t * hd;
+        for (int c = 0; c < 8; c++) a[c] = _mm256_setzero_ps();
         for (int64_t j = 0; j < hd; j += 8) {
             __m256 qv = _mm256_loadu_ps(q + j);
-            a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j), a0);
-            a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + hd + j), a1);
-            a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 2 * hd + j), a2);
-            a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + 3 * hd + j), a3);
+            for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + c * hd + j), a[c]);
         }
-        sc[t] = hsum8(a0) * scale;
-        sc[t + 1] = hsum8(a1) * scale;
-        sc[t + 2] = hsum8(a2) * scale;
-        sc[t + 3] = hsum8(a3) * scale;
+        _mm256_storeu_ps(sc + t, _mm256_mul_ps(hsum8x8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]),
+                                               _mm256_set1_ps(scale)));
     }
     for (; t < n; t++) {
         __m256 a0 = _mm256_setzero_ps();
@@ -870,9 +881,21 @@ AVX2_FN static float softmax_exp_avx2(float *sc, int64_t n, float mx) {
     return sum;
 }
 
-/* o[j] += sum_t e[t] * V[t][j], 32 columns at a time in registers. hd % 8 == 0. */
+/* o[j] += sum_t e[t] * V[t][j], 64 (then 32, 8) columns at a time in registers: eight independent FMA
+ * chains keep both FMA pipes busy. Each column sums over t in order however the columns are grouped.
+ * hd % 8 == 0. */
 AVX2_FN static void values_avx2(float *o, const float *e, const float *V, int64_t n, int64_t hd) {
     int64_t j = 0;
+    for (; j + 64 <= hd; j += 64) {
+        __m256 a[8];
+        for (int c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(o + j + 8 * c);
+        for (int64_t t = 0; t < n; t++) {
+            __m256 w = _mm256_broadcast_ss(e + t);
+            const float *v = V + t * hd + j;
+            for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), a[c]);
+        }
+        for (int c = 0; c < 8; c++) _mm256_storeu_ps(o + j + 8 * c, a[c]);
+    }
     for (; j + 32 <= hd; j += 32) {
         __m256 a0 = _mm256_loadu_ps(o + j), a1 = _mm256_loadu_ps(o + j + 8), a2 = _mm256_loadu_ps(o + j + 16),
                a3 = _mm256_loadu_ps(o + j + 24);
@@ -942,16 +965,20 @@ typedef struct {
 typedef struct {
     int64_t parts, span;
     size_t floats;
+    int64_t head, off; /* set by attend_share: the first group on the same cache; where its partials go */
 } attend_cut_t;
 
 static attend_cut_t attend_cut(const attend_t *at, int nthreads) {
     int64_t units = at->N * at->hkv, rep = at->hq / at->hkv;
-    attend_cut_t c = {1, 0, 0};
+    attend_cut_t c = {1, 0, 0, 0, 0};
     while (units * c.parts < 2 * nthreads && at->nvis / (c.parts * 2) >= 64) c.parts *= 2;
     c.span = (at->nvis + c.parts - 1) / c.parts;
-    c.floats = (size_t)(units * c.parts * rep * (at->hd + 2) + nthreads * c.span);
+    c.floats = (size_t)(units * c.parts * rep * (at->hd + 2) + nthreads * c.span * rep);
     return c;
 }
+
+/* The scores a thread keeps for a stretch: one row per query head of a KV head. */
+static int64_t attend_row(const attend_t *at, const attend_cut_t *cut) { return cut->span * (at->hq / at->hkv); }
 
 static int64_t attend_work(const attend_t *at) { return at->N * at->hkv * at->nvis * at->hd; }
 
@@ -959,12 +986,28 @@ static int64_t attend_work(const attend_t *at) { return at->N * at->hkv * at->nv
  * scores per thread, as long as the longest stretch. */
 static size_t attend_scratch(const attend_t *ats, const attend_cut_t *cuts, int64_t G, int nthreads) {
     size_t parts = 0;
-    int64_t span = 0;
+    int64_t row = 0;
     for (int64_t g = 0; g < G; g++) {
-        parts += cuts[g].floats - (size_t)nthreads * (size_t)cuts[g].span;
-        span = cuts[g].span > span ? cuts[g].span : span;
+        parts += cuts[g].floats - (size_t)nthreads * (size_t)attend_row(ats + g, cuts + g);
+        row = attend_row(ats + g, cuts + g) > row ? attend_row(ats + g, cuts + g) : row;
     }
-    return parts + (size_t)nthreads * (size_t)span;
+    return parts + (size_t)nthreads * (size_t)row;
+}
+
+/* G attentions' cuts, told which groups read the same cache (a verify's positions, all one request's)
+ * and where each group's partial results go in the scratch. */
+static void attend_share(const attend_t *ats, attend_cut_t *cuts, int64_t G) {
+    size_t off = 0;
+    for (int64_t g = 0; g < G; g++) {
+        cuts[g].head = g;
+        for (int64_t e = 0; e < g; e++)
+            if (ats[e].kc == ats[g].kc) {
+                cuts[g].head = e;
+                break;
+            }
+        cuts[g].off = (int64_t)off;
+        off += (size_t)(ats[g].N * ats[g].hkv * cuts[g].parts * (ats[g].hq / ats[g].hkv) * (ats[g].hd + 2));
+    }
 }
 
 /* The part of the global work items [lo, up) that falls in [base, base + n), as local indices. */
@@ -974,6 +1017,47 @@ static int clip(int64_t lo, int64_t up, int64_t base, int64_t n, int64_t *a, int
     return *a < *b;
 }
 
+/* Work item w of one attention (a sequence, a KV head, a stretch of slots): for each query head of the
+ * KV head, the stretch's max score, its sum of exponentials and its exp-weighted values, into part
+ * (this attention's partial results); sc: a row of scores per query head, each `span` long. */
+static void attend_stretch(const attend_t *at, const attend_cut_t *cut, float *part, int64_t w, float *sc, int fast) {
+    const int64_t hq = at->hq, hkv = at->hkv, hd = at->hd, slots = at->slots, nvis = at->nvis;
+    const int64_t rep = hq / hkv, width = (hq + 2 * hkv) * hd, parts = cut->parts, span = cut->span;
+    int f = fast && hd % 8 == 0;
+    float scale = 1.0f / sqrtf((float)hd);
+    int64_t unit = w / parts, p = w % parts, n = unit / hkv, kh = unit % hkv;
+    int64_t t0 = p * span, t1 = t0 + span < nvis ? t0 + span : nvis;
+    const float *K = at->kc + (n * hkv + kh) * slots * hd, *V = at->vc + (n * hkv + kh) * slots * hd;
+    const float *q = at->qkv + n * width + kh * rep * hd;
+    const int64_t m = t1 - t0;
+    /* The query heads of the KV head take the stretch a block at a time, so each block of keys (and
+     * then of values) comes into the core's nearest cache once for all of them. */
+    for (int64_t b0 = 0; b0 < m; b0 += 64)
+        for (int64_t r = 0; r < rep; r++)
+            (f ? SCORES_AVX2 : scores_generic)(q + r * hd, K + (t0 + b0) * hd, m - b0 < 64 ? m - b0 : 64, hd, scale,
+                                                sc + r * span + b0);
+    for (int64_t r = 0; r < rep; r++) {
+        float *res = part + ((unit * parts + p) * rep + r) * (hd + 2), *e = sc + r * span;
+        float mx = -INFINITY, sum = 0.0f;
+        for (int64_t t = 0; t < m; t++) mx = e[t] > mx ? e[t] : mx;
+        if (f) {
+            sum = SOFTMAX_EXP_AVX2(e, m, mx);
+        } else {
+            for (int64_t t = 0; t < m; t++) {
+                e[t] = expf(e[t] - mx);
+                sum += e[t];
+            }
+        }
+        memset(res + 2, 0, sizeof(float) * (size_t)hd);
+        res[0] = mx;
+        res[1] = sum;
+    }
+    for (int64_t b0 = 0; b0 < m; b0 += 32)
+        for (int64_t r = 0; r < rep; r++)
+            (f ? VALUES_AVX2 : values_generic)(part + ((unit * parts + p) * rep + r) * (hd + 2) + 2, sc + r * span + b0,
+                                               V + (t0 + b0) * hd, m - b0 < 32 ? m - b0 : 32, hd);
+}
+
 /* G attentions (one per group of a batched step, or one alone), each cut as attend_cut(.., nthreads)
  * cuts it, run by a team in three phases: every group's work items are shared out together, so a step
  * with many requests meets at three barriers per layer, not three per request. Called by each of the
@@ -981,18 +1065,18 @@ static int clip(int64_t lo, int64_t up, int64_t base, int64_t n, int64_t *a, int
  * every `out` is complete. A group's result does not depend on the others or on the thread count. */
 static void attend_team_n(const attend_t *ats, const attend_cut_t *cuts, int64_t G, int nthreads, float *scratch,
                           int tid, int nth, team_t *team) {
-    int64_t work = 0, n1 = 0, n2 = 0, n3 = 0, span = 0;
+    int64_t work = 0, n1 = 0, n2 = 0, n3 = 0, row = 0;
     for (int64_t g = 0; g < G; g++) {
         const attend_t *at = ats + g;
         work += attend_work(at);
         n1 += at->N * (at->hq + at->hkv);
         n2 += at->N * at->hkv * cuts[g].parts;
         n3 += at->N * at->hq;
-        span = cuts[g].span > span ? cuts[g].span : span;
+        row = attend_row(at, cuts + g) > row ? attend_row(at, cuts + g) : row;
     }
     size_t own = 0;
-    for (int64_t g = 0; g < G; g++) own += cuts[g].floats - (size_t)nthreads * (size_t)cuts[g].span;
-    float *sc = scratch + own + span * tid;
+    for (int64_t g = 0; g < G; g++) own += cuts[g].floats - (size_t)nthreads * (size_t)attend_row(ats + g, cuts + g);
+    float *sc = scratch + own + row * tid;
     int fast = DOT != dot_generic;  /* the AVX2 loops (the kernel choice covers them too) */
     int nw = work >= 8192 ? nth : 1;
     int64_t lo, up, a, b;
@@ -1016,52 +1100,33 @@ static void attend_team_n(const attend_t *ats, const attend_cut_t *cuts, int64_t
     }
     team_sync(team, nth);
     if (tid < nw) {  /* each stretch: its max, its sum of exponentials, its weighted values */
+        /* Groups that read one cache (a verify's positions) take their items stretch by stretch, all
+         * groups of a stretch together, so its keys and values come from memory once for all of them. */
         share(n2, tid, nw, &lo, &up);
-        float *part = scratch;
-        for (int64_t g = 0, base = 0; g < G; g++) {
-            const attend_t *at = ats + g;
-            const int64_t hq = at->hq, hkv = at->hkv, hd = at->hd, slots = at->slots, nvis = at->nvis;
-            const int64_t rep = hq / hkv, width = (hq + 2 * hkv) * hd, parts = cuts[g].parts, span_g = cuts[g].span;
-            const int64_t items = at->N * hkv * parts;
-            int f = fast && hd % 8 == 0;
-            float scale = 1.0f / sqrtf((float)hd);
-            if (clip(lo, up, base, items, &a, &b)) {
-                for (int64_t w = a; w < b; w++) {
-                    int64_t unit = w / parts, p = w % parts, n = unit / hkv, kh = unit % hkv;
-                    int64_t t0 = p * span_g, t1 = t0 + span_g < nvis ? t0 + span_g : nvis;
-                    const float *K = at->kc + (n * hkv + kh) * slots * hd, *V = at->vc + (n * hkv + kh) * slots * hd;
-                    for (int64_t r = 0; r < rep; r++) {
-                        const float *q = at->qkv + n * width + (kh * rep + r) * hd;
-                        float *res = part + ((unit * parts + p) * rep + r) * (hd + 2);
-                        float mx = -INFINITY, sum = 0.0f;
-                        if (t1 > t0) (f ? SCORES_AVX2 : scores_generic)(q, K + t0 * hd, t1 - t0, hd, scale, sc);
-                        for (int64_t t = 0; t < t1 - t0; t++) mx = sc[t] > mx ? sc[t] : mx;
-                        if (f) {
-                            sum = SOFTMAX_EXP_AVX2(sc, t1 - t0, mx);
-                        } else {
-                            for (int64_t t = 0; t < t1 - t0; t++) {
-                                sc[t] = expf(sc[t] - mx);
-                                sum += sc[t];
-                            }
-                        }
-                        memset(res + 2, 0, sizeof(float) * (size_t)hd);
-                        if (t1 > t0) (f ? VALUES_AVX2 : values_generic)(res + 2, sc, V + t0 * hd, t1 - t0, hd);
-                        res[0] = mx;
-                        res[1] = sum;
-                    }
+        int64_t idx = 0;
+        for (int64_t g0 = 0; g0 < G && idx < up; g0++) {
+            if (cuts[g0].head != g0) continue;
+            int64_t most = 0, last = g0;
+            for (int64_t g = g0; g < G; g++)
+                if (cuts[g].head == g0) {
+                    int64_t items = ats[g].N * ats[g].hkv * cuts[g].parts;
+                    most = items > most ? items : most;
+                    last = g;
                 }
-            }
-            base += items;
-            part += items * rep * (hd + 2);
+            for (int64_t w = 0; w < most && idx < up; w++)
+                for (int64_t g = g0; g <= last && idx < up; g++) {
+                    if (cuts[g].head != g0 || w >= ats[g].N * ats[g].hkv * cuts[g].parts) continue;
+                    if (idx++ >= lo) attend_stretch(ats + g, cuts + g, scratch + cuts[g].off, w, sc, fast);
+                }
         }
     }
     team_sync(team, nth);
     if (tid < nw) {  /* merge the stretches of each query head */
         share(n3, tid, nw, &lo, &up);
-        const float *part = scratch;
         for (int64_t g = 0, base = 0; g < G; g++) {
             const attend_t *at = ats + g;
             const int64_t hq = at->hq, hkv = at->hkv, hd = at->hd, rep = hq / hkv, parts = cuts[g].parts;
+            const float *part = scratch + cuts[g].off;
             if (clip(lo, up, base, at->N * hq, &a, &b)) {
                 for (int64_t u = a; u < b; u++) {
                     int64_t unit = u / rep, r = u % rep, n = unit / hkv, kh = unit % hkv;
@@ -1083,7 +1148,6 @@ static void attend_team_n(const attend_t *ats, const attend_cut_t *cuts, int64_t
                 }
             }
             base += at->N * hq;
-            part += at->N * hkv * parts * rep * (hd + 2);
         }
     }
     team_sync(team, nth);
@@ -1105,6 +1169,7 @@ static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nar
                    (const float *)(intptr_t)a[6]};
     int nthreads = omp_get_max_threads();  /* the cut does not depend on how many threads run it */
     attend_cut_t cut = attend_cut(&at, nthreads);
+    attend_share(&at, &cut, 1);
     float *scratch = (float *)malloc(sizeof(float) * cut.floats);
     if (!scratch) return PyErr_NoMemory();
     team_t team = {0, 0};
@@ -1281,6 +1346,7 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             at[g] = group_attention(groups + g * GROUP, i, hq, hkv, hd, NULL, NULL);
             cuts[i * G + g] = attend_cut(at + g, nthreads);
         }
+        attend_share(at, cuts + i * G, G);
         att = max_size(att, attend_scratch(at, cuts + i * G, G, nthreads));
     }
     size_t fbytes = sizeof(float) * (size_t)(B * (qkv_w + o_w + u_w) + att);
