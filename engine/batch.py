@@ -26,7 +26,7 @@ STEP_ROWS = ACT16_MAX_ROWS  # the most rows a shared step takes: every row's log
 
 def kv_need(engine, ids: list[int], params: SamplingParams) -> int:
     """The KV cache a request reserves while it runs (its prefill cache and its n-sample copy)."""
-    return request_kv_bytes(engine.cfg, params.n, len(ids) + params.max_tokens, engine.kv_dtype.itemsize)
+    return request_kv_bytes(engine.cfg, params.n, len(ids) + params.max_tokens, engine.dtype.itemsize)
 
 
 class Sequence:

@@ -252,7 +252,7 @@ class _RankEngine:
     def __init__(self, runner: LocalRunner, eos_ids: set[int]):
         self.runner, self.eos_ids, self.tokenizer = runner, eos_ids, None
         self.cfg, self.device, self.world_size = runner.cfg, runner.device, runner.world_size
-        self.dtype, self.kv_dtype = runner.runtime.torch_dtype, runner.runtime.kv_dtype
+        self.dtype = runner.runtime.torch_dtype
 
 
 class Rank:

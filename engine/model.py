@@ -262,10 +262,6 @@ class LocalLanes:
 class KVCache:
     """Preallocated per-layer K/V, post-RoPE, before GQA repetition: [L*B, Hkv_lane, slots, hd].
 
-    In the model's dtype, except on the low-bit CPU path (`LaneModel.kv_dtype`): float16 there, each value
-    rounded to nearest once, as it is written; every attention of that path (decode steps, verifies, prompt
-    chunks over their own keys too) reads the values the cache keeps.
-
     Full-attention layers have one slot per position; sliding-window layers a ring buffer of
     `W` slots (position p lives in slot p % W), so their memory does not grow with the sequence.
 
@@ -473,9 +469,6 @@ class LaneModel(nn.Module):
         self.dtype, self.device = self.embed.dtype, self.embed.device
         self.cos, self.sin = rope_tables(cfg, cfg.max_position_embeddings, self.device)
         self.lowbit = not isinstance(self.layers[0].wqkv, Tensor) if self.layers else False
-        # The KV cache's dtype: the model's, except on the low-bit path, whose caches keep float16 (half the
-        # memory, and half the bytes each decode step's attention reads; see `KVCache`).
-        self.kv_dtype = torch.float16 if self.lowbit else self.dtype
         self.fused_step = None
         if self.lowbit:  # packed weights (kernels.lowbit): fused low-bit decode blocks
             from laneplay.engine import lowbit_step
@@ -503,12 +496,8 @@ class LaneModel(nn.Module):
         L, B, S, _ = x.shape
         q, k, v = project_qkv(x, w.wqkv, self.cos[pos:pos + S], self.sin[pos:pos + S], cfg)
         window = cfg.window(i)
-        if cache is not None and cache.k[i].dtype != k.dtype:
-            # a narrower cache (float16 on the low-bit path): the chunk attends to its own keys and values as
-            # the cache keeps them, as every later position does, so chunking never changes what is seen
-            k, v = k.to(cache.k[i].dtype).to(k.dtype), v.to(cache.k[i].dtype).to(v.dtype)
         if cache is not None and not window and x.device.type == "cpu":
-            past = (cache.k[i][:, :, :pos].to(k.dtype), cache.v[i][:, :, :pos].to(v.dtype)) if pos > 0 else None
+            past = (cache.k[i][:, :, :pos], cache.v[i][:, :, :pos]) if pos > 0 else None
             o = chunk_attention(q, k, v, past)
             cache.k[i][:, :, pos:pos + S] = k  # full-attention layers: slot = position
             cache.v[i][:, :, pos:pos + S] = v
@@ -532,15 +521,15 @@ class LaneModel(nn.Module):
         q_pos = torch.arange(pos, pos + S, device=dev)
         if pos > 0:
             filled = min(pos, slots)
-            k_all = torch.cat([kc[:, :, :filled].to(k.dtype), k], dim=2)
-            v_all = torch.cat([vc[:, :, :filled].to(v.dtype), v], dim=2)
+            k_all = torch.cat([kc[:, :, :filled], k], dim=2)
+            v_all = torch.cat([vc[:, :, :filled], v], dim=2)
             k_pos = torch.cat([_slot_positions(pos, slots, dev)[:filled], q_pos])
         else:
             k_all, v_all, k_pos = k, v, q_pos
         keep = q_pos[-slots:]  # a ring keeps only the last W positions
         idx = keep % slots if window else keep
-        kc.index_copy_(2, idx, k[:, :, -len(keep):].to(kc.dtype))
-        vc.index_copy_(2, idx, v[:, :, -len(keep):].to(vc.dtype))
+        kc.index_copy_(2, idx, k[:, :, -len(keep):])
+        vc.index_copy_(2, idx, v[:, :, -len(keep):])
         if pos == 0 and (not window or S <= window):
             return k_all, v_all, None  # plain causal over the chunk itself: the fused kernel
         return k_all, v_all, _attention_mask(q_pos, k_pos, window)
@@ -760,4 +749,4 @@ class LaneModel(nn.Module):
 
     def new_cache(self, batch: int, max_seq_len: int | None = None, spare: int = 0) -> KVCache:
         return KVCache(self.cfg, len(self.lanes), batch, max_seq_len or self.cfg.max_position_embeddings,
-                       self.kv_dtype, self.device, spare)
+                       self.dtype, self.device, spare)

@@ -14,7 +14,7 @@ import torch
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 # Weight-only low-bit paths (CPU, `kernels.lowbit`): projections packed as int8 or 4-bit blocks, the LM
-# head as int8, the KV cache float16, everything else (activations, norms) float32.
+# head as int8, everything else (activations, KV cache, norms) float32.
 LOWBIT = ("int4", "int8")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", *LOWBIT)
 # What "auto" picks on the CPU at world size 1 when the low-bit kernels are built, chosen by measurement
@@ -70,13 +70,8 @@ class Runtime:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        """The dtype activations and unpacked weights use (and the KV cache, but on the low-bit path)."""
+        """The dtype activations, the KV cache and unpacked weights use."""
         return torch.float32 if self.dtype in LOWBIT else DTYPES[self.dtype]
-
-    @property
-    def kv_dtype(self) -> torch.dtype:
-        """The KV cache's dtype: float16 on the low-bit path (`LaneModel.kv_dtype`), else torch_dtype."""
-        return torch.float16 if self.dtype in LOWBIT else self.torch_dtype
 
     @property
     def weight_format(self) -> str | None:

@@ -823,38 +823,26 @@ AVX2_FN static inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3,
     return _mm256_hadd_ps(_mm256_hadd_ps(b04, b15), _mm256_hadd_ps(b26, b37));
 }
 
-/* Eight floats of a cache row: float32, or float16 (converted exactly). */
-AVX2_FN static inline __attribute__((always_inline)) __m256 load8(const void *p, int64_t i, const int half) {
-    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
-                : _mm256_loadu_ps((const float *)p + i);
-}
-
 /* sc[t] = scale * q . K[t] for t < n; eight keys at a time (independent FMA chains), then one. Each key's
  * products and sums are the same operations in the same order whichever way it is grouped. hd % 8 == 0. */
-AVX2_FN static inline __attribute__((always_inline)) void
-scores_t(const float *q, const void *K, int64_t n, int64_t hd, float scale, float *sc, const int half) {
+AVX2_FN static void scores_avx2(const float *q, const float *K, int64_t n, int64_t hd, float scale, float *sc) {
     int64_t t = 0;
     for (; t + 8 <= n; t += 8) {
         __m256 a[8];
+        const float *k = K + t * hd;
         for (int c = 0; c < 8; c++) a[c] = _mm256_setzero_ps();
         for (int64_t j = 0; j < hd; j += 8) {
             __m256 qv = _mm256_loadu_ps(q + j);
-            for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(qv, load8(K, (t + c) * hd + j, half), a[c]);
+            for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + c * hd + j), a[c]);
         }
         _mm256_storeu_ps(sc + t, _mm256_mul_ps(hsum8x8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]),
                                                _mm256_set1_ps(scale)));
     }
     for (; t < n; t++) {
         __m256 a0 = _mm256_setzero_ps();
-        for (int64_t j = 0; j < hd; j += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), load8(K, t * hd + j, half), a0);
+        for (int64_t j = 0; j < hd; j += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(K + t * hd + j), a0);
         sc[t] = hsum8(a0) * scale;
     }
-}
-AVX2_FN static void scores_avx2(const float *q, const float *K, int64_t n, int64_t hd, float scale, float *sc) {
-    scores_t(q, K, n, hd, scale, sc, 0);
-}
-AVX2_FN static void scores16_avx2(const float *q, const uint16_t *K, int64_t n, int64_t hd, float scale, float *sc) {
-    scores_t(q, K, n, hd, scale, sc, 1);
 }
 
 /* exp(x) for x <= 0 (softmax after subtracting the max): 2^k * p(r), r in [-ln2/2, ln2/2], a degree-6
@@ -896,53 +884,50 @@ AVX2_FN static float softmax_exp_avx2(float *sc, int64_t n, float mx) {
 /* o[j] += sum_t e[t] * V[t][j], 64 (then 32, 8) columns at a time in registers: eight independent FMA
  * chains keep both FMA pipes busy. Each column sums over t in order however the columns are grouped.
  * hd % 8 == 0. */
-AVX2_FN static inline __attribute__((always_inline)) void
-values_t(float *o, const float *e, const void *V, int64_t n, int64_t hd, const int half) {
+AVX2_FN static void values_avx2(float *o, const float *e, const float *V, int64_t n, int64_t hd) {
     int64_t j = 0;
     for (; j + 64 <= hd; j += 64) {
         __m256 a[8];
         for (int c = 0; c < 8; c++) a[c] = _mm256_loadu_ps(o + j + 8 * c);
         for (int64_t t = 0; t < n; t++) {
             __m256 w = _mm256_broadcast_ss(e + t);
-            for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(w, load8(V, t * hd + j + 8 * c, half), a[c]);
+            const float *v = V + t * hd + j;
+            for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), a[c]);
         }
         for (int c = 0; c < 8; c++) _mm256_storeu_ps(o + j + 8 * c, a[c]);
     }
     for (; j + 32 <= hd; j += 32) {
-        __m256 a[4];
-        for (int c = 0; c < 4; c++) a[c] = _mm256_loadu_ps(o + j + 8 * c);
+        __m256 a0 = _mm256_loadu_ps(o + j), a1 = _mm256_loadu_ps(o + j + 8), a2 = _mm256_loadu_ps(o + j + 16),
+               a3 = _mm256_loadu_ps(o + j + 24);
         for (int64_t t = 0; t < n; t++) {
             __m256 w = _mm256_broadcast_ss(e + t);
-            for (int c = 0; c < 4; c++) a[c] = _mm256_fmadd_ps(w, load8(V, t * hd + j + 8 * c, half), a[c]);
+            const float *v = V + t * hd + j;
+            a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), a0);
+            a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), a1);
+            a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), a2);
+            a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), a3);
         }
-        for (int c = 0; c < 4; c++) _mm256_storeu_ps(o + j + 8 * c, a[c]);
+        _mm256_storeu_ps(o + j, a0);
+        _mm256_storeu_ps(o + j + 8, a1);
+        _mm256_storeu_ps(o + j + 16, a2);
+        _mm256_storeu_ps(o + j + 24, a3);
     }
     for (; j < hd; j += 8) {
         __m256 a0 = _mm256_loadu_ps(o + j);
-        for (int64_t t = 0; t < n; t++) a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(e + t), load8(V, t * hd + j, half), a0);
+        for (int64_t t = 0; t < n; t++) a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(e + t), _mm256_loadu_ps(V + t * hd + j), a0);
         _mm256_storeu_ps(o + j, a0);
     }
-}
-AVX2_FN static void values_avx2(float *o, const float *e, const float *V, int64_t n, int64_t hd) {
-    values_t(o, e, V, n, hd, 0);
-}
-AVX2_FN static void values16_avx2(float *o, const float *e, const uint16_t *V, int64_t n, int64_t hd) {
-    values_t(o, e, V, n, hd, 1);
 }
 #endif
 
 #ifdef LP_X86
 #define SCORES_AVX2 scores_avx2
 #define VALUES_AVX2 values_avx2
-#define SCORES16_AVX2 scores16_avx2
-#define VALUES16_AVX2 values16_avx2
 #define SOFTMAX_EXP_AVX2 softmax_exp_avx2
 #else
 #define SOFTMAX_EXP_AVX2(sc, n, mx) 0.0f
 #define SCORES_AVX2 scores_generic
 #define VALUES_AVX2 values_generic
-#define SCORES16_AVX2 scores16_generic
-#define VALUES16_AVX2 values16_generic
 #endif
 
 static void scores_generic(const float *q, const float *K, int64_t n, int64_t hd, float scale, float *sc) {
@@ -953,27 +938,6 @@ static void values_generic(float *o, const float *e, const float *V, int64_t n, 
     for (int64_t t = 0; t < n; t++) axpy_f32(o, e[t], V + t * hd, hd);
 }
 
-/* The portable loops over a float16 cache: each row converted, then the float32 loops' operations. */
-static void widen_row(const uint16_t *h, int64_t hd, float *out) {
-    for (int64_t j = 0; j < hd; j++) out[j] = h2f(h[j]);
-}
-
-static void scores16_generic(const float *q, const uint16_t *K, int64_t n, int64_t hd, float scale, float *sc) {
-    float row[hd];
-    for (int64_t t = 0; t < n; t++) {
-        widen_row(K + t * hd, hd, row);
-        sc[t] = dot_f32(q, row, hd) * scale;
-    }
-}
-
-static void values16_generic(float *o, const float *e, const uint16_t *V, int64_t n, int64_t hd) {
-    float row[hd];
-    for (int64_t t = 0; t < n; t++) {
-        widen_row(V + t * hd, hd, row);
-        axpy_f32(o, e[t], row, hd);
-    }
-}
-
 static void rope(float *v, const float *cos, const float *sin, int64_t hd) {  /* interleaved pairs */
     for (int64_t t = 0; t < hd / 2; t++) {
         float x0 = v[2 * t], x1 = v[2 * t + 1];
@@ -982,21 +946,17 @@ static void rope(float *v, const float *cos, const float *sin, int64_t hd) {  /*
     }
 }
 
-/* attend(N, hq, hkv, hd, qkv, cos, sin, kc, vc, slots, slot, nvis, out, kv16)
+/* attend(N, hq, hkv, hd, qkv, cos, sin, kc, vc, slots, slot, nvis, out)
  * qkv: float32 [N, (hq + 2 hkv) hd] (this token's projections; q and k are rotated in place);
- * kc, vc: [N, hkv, slots, hd], float32, or float16 with kv16 (the low-bit path's caches: half the bytes
- * to read, each value rounded to nearest once when it is written); the token goes to `slot`, then each query head attends over
+ * kc, vc: float32 [N, hkv, slots, hd]; the token goes to `slot`, then each query head attends over
  * slots [0, nvis) (exactly the visible keys: a ring buffer holds the last W positions in some
  * order, and attention does not depend on the order). out: float32 [N, hq hd].
  * Work is split over (sequence, KV head, stretch of slots); the stretches are merged by their
  * log-sum-exp (flash-decoding), so one long sequence still uses every thread. */
 typedef struct {
     int64_t N, hq, hkv, hd, slots, slot, nvis;
-    float *qkv;
-    void *kc, *vc;  /* float, or _Float16 bits (uint16_t) with kv16 */
-    float *out;
+    float *qkv, *kc, *vc, *out;
     const float *cos, *sin;
-    int kv16;
 } attend_t;
 
 /* How an attention is cut for `nthreads` threads: `parts` stretches of `span` slots per (sequence,
@@ -1067,21 +1027,15 @@ static void attend_stretch(const attend_t *at, const attend_cut_t *cut, float *p
     float scale = 1.0f / sqrtf((float)hd);
     int64_t unit = w / parts, p = w % parts, n = unit / hkv, kh = unit % hkv;
     int64_t t0 = p * span, t1 = t0 + span < nvis ? t0 + span : nvis;
-    const int64_t at0 = (n * hkv + kh) * slots * hd;
-    const float *K = (const float *)at->kc + at0, *V = (const float *)at->vc + at0;
-    const uint16_t *K16 = (const uint16_t *)at->kc + at0, *V16 = (const uint16_t *)at->vc + at0;
+    const float *K = at->kc + (n * hkv + kh) * slots * hd, *V = at->vc + (n * hkv + kh) * slots * hd;
     const float *q = at->qkv + n * width + kh * rep * hd;
     const int64_t m = t1 - t0;
     /* The query heads of the KV head take the stretch a block at a time, so each block of keys (and
      * then of values) comes into the core's nearest cache once for all of them. */
     for (int64_t b0 = 0; b0 < m; b0 += 64)
         for (int64_t r = 0; r < rep; r++)
-            if (at->kv16)
-                (f ? SCORES16_AVX2 : scores16_generic)(q + r * hd, K16 + (t0 + b0) * hd, m - b0 < 64 ? m - b0 : 64, hd,
-                                                       scale, sc + r * span + b0);
-            else
-                (f ? SCORES_AVX2 : scores_generic)(q + r * hd, K + (t0 + b0) * hd, m - b0 < 64 ? m - b0 : 64, hd,
-                                                    scale, sc + r * span + b0);
+            (f ? SCORES_AVX2 : scores_generic)(q + r * hd, K + (t0 + b0) * hd, m - b0 < 64 ? m - b0 : 64, hd, scale,
+                                                sc + r * span + b0);
     for (int64_t r = 0; r < rep; r++) {
         float *res = part + ((unit * parts + p) * rep + r) * (hd + 2), *e = sc + r * span;
         float mx = -INFINITY, sum = 0.0f;
@@ -1100,12 +1054,8 @@ static void attend_stretch(const attend_t *at, const attend_cut_t *cut, float *p
     }
     for (int64_t b0 = 0; b0 < m; b0 += 32)
         for (int64_t r = 0; r < rep; r++)
-            if (at->kv16)
-                (f ? VALUES16_AVX2 : values16_generic)(part + ((unit * parts + p) * rep + r) * (hd + 2) + 2,
-                                                       sc + r * span + b0, V16 + (t0 + b0) * hd, m - b0 < 32 ? m - b0 : 32, hd);
-            else
-                (f ? VALUES_AVX2 : values_generic)(part + ((unit * parts + p) * rep + r) * (hd + 2) + 2,
-                                                   sc + r * span + b0, V + (t0 + b0) * hd, m - b0 < 32 ? m - b0 : 32, hd);
+            (f ? VALUES_AVX2 : values_generic)(part + ((unit * parts + p) * rep + r) * (hd + 2) + 2, sc + r * span + b0,
+                                               V + (t0 + b0) * hd, m - b0 < 32 ? m - b0 : 32, hd);
 }
 
 /* G attentions (one per group of a batched step, or one alone), each cut as attend_cut(.., nthreads)
@@ -1142,16 +1092,8 @@ static void attend_team_n(const attend_t *ats, const attend_cut_t *cuts, int64_t
                 rope(v, at->cos, at->sin, hd);
                 if (h >= hq) {
                     int64_t kh = h - hq, to = ((n * hkv + kh) * at->slots + at->slot) * hd;
-                    const float *vv = at->qkv + n * width + (hq + hkv + kh) * hd;
-                    if (at->kv16) {
-                        for (int64_t j = 0; j < hd; j++) {
-                            ((uint16_t *)at->kc)[to + j] = f2h(v[j]);
-                            ((uint16_t *)at->vc)[to + j] = f2h(vv[j]);
-                        }
-                    } else {
-                        memcpy((float *)at->kc + to, v, sizeof(float) * (size_t)hd);
-                        memcpy((float *)at->vc + to, vv, sizeof(float) * (size_t)hd);
-                    }
+                    memcpy(at->kc + to, v, sizeof(float) * (size_t)hd);
+                    memcpy(at->vc + to, at->qkv + n * width + (hq + hkv + kh) * hd, sizeof(float) * (size_t)hd);
                 }
             }
         }
@@ -1216,15 +1158,15 @@ static int attend_args_ok(int64_t hq, int64_t hkv, int64_t slots, int64_t slot, 
 }
 
 static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t a[14];
-    if (args_i64(args, nargs, 14, a) < 0) return NULL;
+    int64_t a[13];
+    if (args_i64(args, nargs, 13, a) < 0) return NULL;
     if (!attend_args_ok(a[1], a[2], a[9], a[10], a[11])) {
         PyErr_SetString(PyExc_ValueError, "attend: bad slot, visible count or head counts");
         return NULL;
     }
-    attend_t at = {a[0], a[1], a[2], a[3], a[9], a[10], a[11], (float *)(intptr_t)a[4], (void *)(intptr_t)a[7],
-                   (void *)(intptr_t)a[8], (float *)(intptr_t)a[12], (const float *)(intptr_t)a[5],
-                   (const float *)(intptr_t)a[6], a[13] != 0};
+    attend_t at = {a[0], a[1], a[2], a[3], a[9], a[10], a[11], (float *)(intptr_t)a[4], (float *)(intptr_t)a[7],
+                   (float *)(intptr_t)a[8], (float *)(intptr_t)a[12], (const float *)(intptr_t)a[5],
+                   (const float *)(intptr_t)a[6]};
     int nthreads = omp_get_max_threads();  /* the cut does not depend on how many threads run it */
     attend_cut_t cut = attend_cut(&at, nthreads);
     attend_share(&at, &cut, 1);
@@ -1313,23 +1255,21 @@ static double now_ms(void) {
 }
 
 /* A step's attention in one layer for one group of rows at position pos: c is the group's cache row
- * for the layer (k, v, slots, bytes per value: 4, or 2 for float16); the token goes to slot pos % slots and
- * sees min(pos + 1, slots) slots. */
+ * for the layer (k, v, slots); the token goes to slot pos % slots and sees min(pos + 1, slots) slots. */
 static attend_t step_attention(const int64_t *c, int64_t B, int64_t hq, int64_t hkv, int64_t hd, int64_t pos,
                                float *qkv, float *o, const float *cos, const float *sin) {
     attend_t at = {B, hq, hkv, hd, c[2], pos % c[2], pos + 1 < c[2] ? pos + 1 : c[2], qkv,
-                   (void *)(intptr_t)c[0], (void *)(intptr_t)c[1], o, cos, sin, c[3] == 2};
+                   (float *)(intptr_t)c[0], (float *)(intptr_t)c[1], o, cos, sin};
     return at;
 }
 
 /* One group of a step: `rows` consecutive rows of h that share a KV cache and a position (one
  * request's samples). groups: int64 [G, GROUP]. */
 enum { GR_ROWS = 0, GR_POS = 1, GR_COS = 2, GR_SIN = 3, GR_CACHE = 4, GROUP = 5 };
-enum { CACHE_COLS = 4 };  /* a cache table's columns per layer: k, v, slots, bytes per value */
 
 static attend_t group_attention(const int64_t *gr, int64_t layer, int64_t hq, int64_t hkv, int64_t hd, float *qkv,
                                 float *o) {
-    const int64_t *c = (const int64_t *)(intptr_t)gr[GR_CACHE] + layer * CACHE_COLS;
+    const int64_t *c = (const int64_t *)(intptr_t)gr[GR_CACHE] + layer * 3;
     return step_attention(c, gr[GR_ROWS], hq, hkv, hd, gr[GR_POS], qkv, o, (const float *)(intptr_t)gr[GR_COS],
                           (const float *)(intptr_t)gr[GR_SIN]);
 }
@@ -1337,7 +1277,7 @@ static attend_t group_attention(const int64_t *gr, int64_t layer, int64_t hq, in
 /* step(plan, layers, groups, G, hq, hkv, hd, h, head, norm, logits, eps)
  * plan: int64 [layers, PLAN]: attn_norm, wqkv (fmt, L, N, K, Kp, qs, d, m), wo (...), ffn_norm, w13, w2;
  * groups: int64 [G, GROUP]: each group's row count, position, cos/sin of that position ([hd/2] each)
- * and KV cache (int64 [layers, 4]: k, v, slots, bytes per value; the cache holds exactly the group's rows);
+ * and KV cache (int64 [layers, 3]: k, v, slots; the cache holds exactly the group's rows);
  * h: float32 [B, D] (B = all groups' rows, in group order), the residual (updated in place);
  * head: int64 [8] (as a weight in plan), norm: the final norm; logits: float32 [B, V].
  * The products run over all B rows at once (each row's result is the one it gets alone); the
@@ -1381,8 +1321,8 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             return NULL;
         }
         for (int64_t g = 0; g < G; g++) {
-            const int64_t *c = (const int64_t *)(intptr_t)groups[g * GROUP + GR_CACHE] + i * CACHE_COLS;
-            attend_t at = c[2] >= 1 && (c[3] == 2 || c[3] == 4) ? group_attention(groups + g * GROUP, i, hq, hkv, hd, NULL, NULL) : (attend_t){0};
+            const int64_t *c = (const int64_t *)(intptr_t)groups[g * GROUP + GR_CACHE] + i * 3;
+            attend_t at = c[2] >= 1 ? group_attention(groups + g * GROUP, i, hq, hkv, hd, NULL, NULL) : (attend_t){0};
             if (!attend_args_ok(hq, hkv, at.slots, at.slot, at.nvis)) {
                 PyErr_Format(PyExc_ValueError, "step: layer %lld of group %lld does not fit the plan", (long long)i,
                              (long long)g);
@@ -1563,7 +1503,7 @@ static PyMethodDef METHODS[] = {
     {"linear", (PyCFunction)(void (*)(void))py_linear, METH_FASTCALL,
      "linear(fmt, L, N, K, Kp, M, qs, d, m, x, y, pre, g, g_per_lane, eps)"},
     {"attend", (PyCFunction)(void (*)(void))py_attend, METH_FASTCALL,
-     "attend(N, hq, hkv, hd, qkv, cos, sin, kc, vc, slots, slot, nvis, out, kv16)"},
+     "attend(N, hq, hkv, hd, qkv, cos, sin, kc, vc, slots, slot, nvis, out)"},
     {"step", (PyCFunction)(void (*)(void))py_step, METH_FASTCALL,
      "step(plan, layers, groups, G, hq, hkv, hd, h, head, norm, logits, eps)"},
     {"kernel", py_kernel, METH_NOARGS, "the dot-product kernel in use"},
