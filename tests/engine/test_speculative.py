@@ -148,12 +148,12 @@ def test_verify_matches_the_naive_reference_and_rewinds_to_an_untouched_cache(fl
         assert (got - want).abs().max() <= 1e-4 * want.abs().max(), keep
 
 
-def _one_lane_int4(tmp_path, window=5):
+def _one_lane_int4(tmp_path, window=5, positions=96):
     from laneplay.kernels import lowbit
 
     if not lowbit.available():
         pytest.skip("the low-bit kernels are not built")
-    raw = tiny_laneformer_config(num_lanes=1, sliding_window=window, max_position_embeddings=96)
+    raw = tiny_laneformer_config(num_lanes=1, sliding_window=window, max_position_embeddings=positions)
     path = write_checkpoint(tmp_path / "one", raw, random_laneformer_tensors(raw, seed=4))
     cfg, src = open_checkpoint(path)
     model = LaneModel(cfg, lowbit.pack_weights(load_weights(cfg, src), "int4"))
@@ -198,6 +198,24 @@ def test_the_longest_low_bit_verify_is_bit_for_bit_the_decode_steps(tmp_path):
     steps = torch.stack([model.decode(ids[:, 3 + j:4 + j], 3 + j, c_steps)[0] for j in range(S)])
     logits, _ = model.verify(ids[:, 3:], 3, c_verify)
     assert torch.equal(logits[0], steps)
+
+
+@torch.inference_mode()
+def test_a_long_low_bit_verify_is_bit_for_bit_the_decode_steps(tmp_path):
+    """Past 300 positions the attention takes keys in 64-key blocks for both query heads of a KV head,
+    in two stretches per head, its scores 8 keys at a time, and the verify's positions (one cache) take
+    each stretch together: each position's logits and K/V are still exactly a decode step's."""
+    model, _ = _one_lane_int4(tmp_path, window=400, positions=512)
+    assert model.cfg.heads_per_lane > model.cfg.kv_heads_per_lane and model.cfg.head_dim % 8 == 0
+    ids = torch.randint(0, 256, (1, 309), generator=torch.Generator().manual_seed(5))
+    _, c_steps = model.prefill(ids[:, :300], 1, 320)
+    _, c_verify = model.prefill(ids[:, :300], 1, 320)
+    steps = torch.stack([model.decode(ids[:, 300 + j:301 + j], 300 + j, c_steps)[0] for j in range(9)])
+    assert model.verifies_as_groups(300, 9, c_verify)
+    logits, _ = model.verify(ids[:, 300:], 300, c_verify)
+    assert torch.equal(logits[0], steps)
+    for a, b in zip(c_steps.k + c_steps.v, c_verify.k + c_verify.v):
+        assert torch.equal(a, b)
 
 
 # ---- whole requests: greedy equality, sampling, the scheduler --------------------------------------
