@@ -95,6 +95,10 @@ def test_the_page_answers_at_once_and_says_the_engine_is_loading(server, owner):
     first = meter(page)["state"]
     assert first in ("loading", "idle")  # loading unless the engine was already up
     server.wait_ready()
+    # the state line is refreshed every second by the server: it says ready within a few refreshes, and
+    # the resting meter follows it
+    page.wait_for_function("() => { const e = document.getElementById('engine-status');"
+                           " return e !== null && e.getAttribute('data-state') === 'ready'; }", timeout=30_000)
     assert wait_state(page, ["idle"], timeout=30)["state"] == "idle"
     assert "ready" in page.inner_text("#engine-status")
 
