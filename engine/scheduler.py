@@ -403,9 +403,10 @@ class Scheduler:
         streaming = any(j.priority == "interactive" and not s.prefilling and not s.finished for j, s in seqs.items())
         if not streaming:
             self._decode_owed = 0.0
-        turns = prompt_turns(list(seqs.items()), self.prefill_budget, self.engine.runtime.prefill_chunk)
+        turns = () if self._decode_owed > 0 else prompt_turns(list(seqs.items()), self.prefill_budget,
+                                                               self.engine.runtime.prefill_chunk)
         t_chunks = time.perf_counter()
-        for job, seq in (turns if self._decode_owed <= 0 else ()):
+        for job, seq in turns:
             try:
                 events = seq.prefill_chunk()
             except Exception as e:  # this prompt failed (memory, say): it ends, the others go on

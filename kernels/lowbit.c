@@ -965,12 +965,15 @@ typedef struct {
 typedef struct {
     int64_t parts, span;
     size_t floats;
-    int64_t head, off; /* set by attend_share: the first group on the same cache; where its partials go */
+    /* set by attend_share: the group's work items (sequence, KV head, stretch), the first group on the same
+     * cache and where its partials go; on that first group, the last group on its cache and the most
+     * items any of them has */
+    int64_t items, head, off, last, most;
 } attend_cut_t;
 
 static attend_cut_t attend_cut(const attend_t *at, int nthreads) {
     int64_t units = at->N * at->hkv, rep = at->hq / at->hkv;
-    attend_cut_t c = {1, 0, 0, 0, 0};
+    attend_cut_t c = {1, 0, 0, 0, 0, 0, 0, 0};
     while (units * c.parts < 2 * nthreads && at->nvis / (c.parts * 2) >= 64) c.parts *= 2;
     c.span = (at->nvis + c.parts - 1) / c.parts;
     c.floats = (size_t)(units * c.parts * rep * (at->hd + 2) + nthreads * c.span * rep);
@@ -999,14 +1002,19 @@ static size_t attend_scratch(const attend_t *ats, const attend_cut_t *cuts, int6
 static void attend_share(const attend_t *ats, attend_cut_t *cuts, int64_t G) {
     size_t off = 0;
     for (int64_t g = 0; g < G; g++) {
-        cuts[g].head = g;
+        attend_cut_t *c = cuts + g;
+        c->items = ats[g].N * ats[g].hkv * c->parts;
+        c->head = g;
         for (int64_t e = 0; e < g; e++)
             if (ats[e].kc == ats[g].kc) {
-                cuts[g].head = e;
+                c->head = e;
                 break;
             }
-        cuts[g].off = (int64_t)off;
-        off += (size_t)(ats[g].N * ats[g].hkv * cuts[g].parts * (ats[g].hq / ats[g].hkv) * (ats[g].hd + 2));
+        attend_cut_t *h = cuts + c->head;
+        h->last = g;
+        h->most = c->head == g || c->items > h->most ? c->items : h->most;
+        c->off = (int64_t)off;
+        off += (size_t)(c->items * (ats[g].hq / ats[g].hkv) * (ats[g].hd + 2));
     }
 }
 
@@ -1070,7 +1078,7 @@ static void attend_team_n(const attend_t *ats, const attend_cut_t *cuts, int64_t
         const attend_t *at = ats + g;
         work += attend_work(at);
         n1 += at->N * (at->hq + at->hkv);
-        n2 += at->N * at->hkv * cuts[g].parts;
+        n2 += cuts[g].items;
         n3 += at->N * at->hq;
         row = attend_row(at, cuts + g) > row ? attend_row(at, cuts + g) : row;
     }
@@ -1106,16 +1114,9 @@ static void attend_team_n(const attend_t *ats, const attend_cut_t *cuts, int64_t
         int64_t idx = 0;
         for (int64_t g0 = 0; g0 < G && idx < up; g0++) {
             if (cuts[g0].head != g0) continue;
-            int64_t most = 0, last = g0;
-            for (int64_t g = g0; g < G; g++)
-                if (cuts[g].head == g0) {
-                    int64_t items = ats[g].N * ats[g].hkv * cuts[g].parts;
-                    most = items > most ? items : most;
-                    last = g;
-                }
-            for (int64_t w = 0; w < most && idx < up; w++)
-                for (int64_t g = g0; g <= last && idx < up; g++) {
-                    if (cuts[g].head != g0 || w >= ats[g].N * ats[g].hkv * cuts[g].parts) continue;
+            for (int64_t w = 0; w < cuts[g0].most && idx < up; w++)
+                for (int64_t g = g0; g <= cuts[g0].last && idx < up; g++) {
+                    if (cuts[g].head != g0 || w >= cuts[g].items) continue;
                     if (idx++ >= lo) attend_stretch(ats + g, cuts + g, scratch + cuts[g].off, w, sc, fast);
                 }
         }
