@@ -147,7 +147,8 @@ class Playground:
         g = Generation.of(1)
         col = g.columns[0]
         async for _ in g.run(ctx, [(None, body, chat)], ticket.wanted):
-            yield view(col, sid)
+            if not col.finish:  # the finished run shows once, stored: "done" means Share and History have it
+                yield view(col, sid)
         failure = g.finish()
         if failure is not None:
             if not ticket.superseded():

@@ -160,8 +160,15 @@ def test_a_400_character_line_wraps_in_the_output_with_its_indentation(server, o
     line = "    x = [" + ", ".join(str(i) for i in range(120)) + "]"
     line = line[:400]
     assert len(line) == 400
+    quiet_since, seen = time.monotonic(), output_text(page)
+    while time.monotonic() - quiet_since < 1.0:  # the last run's updates have all landed: nothing rewrites it
+        time.sleep(0.1)
+        now = output_text(page)
+        if now != seen:
+            quiet_since, seen = time.monotonic(), now
     page.eval_on_selector("#output .cm-content", "(el, text) => { const v = el.cmTile.view; "
                           "v.dispatch({changes: {from: 0, to: v.state.doc.length, insert: text}}); }", line)
+    assert output_text(page) == line
     sizes = page.eval_on_selector("#output .cm-scroller", "s => ({scroll: s.scrollWidth, client: s.clientWidth, "
                                   "height: s.querySelector('.cm-line').getBoundingClientRect().height, "
                                   "font: parseFloat(getComputedStyle(s.querySelector('.cm-line')).fontSize)})")

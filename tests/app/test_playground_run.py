@@ -1,0 +1,33 @@
+"""The Playground's run as the page gets it, against the tiny in-process server of the Side by side tests:
+the page sees "done" only once the run is stored, in the same update as its session."""
+import asyncio
+
+from laneplay.app.playground import Playground
+from laneplay.storage import OPERATOR
+
+from .test_sidebyside import OWNER, engine, sbs_context  # noqa: F401  (the module's server fixture)
+
+
+def frames_of(ctx, speculative: bool) -> list:
+    tab, frames = Playground(ctx), []
+    params = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "max_tokens": 3, "seed": 0}
+
+    async def go():
+        async for v in tab._generate(tab.pages.begin(("me", "page")), "def add(a, b):\n", "Write add.", "chat",
+                                     params, None, OWNER, True, speculative):
+            frames.append(v)
+    asyncio.run(go())
+    return frames
+
+
+def test_done_comes_once_with_the_stored_session_and_the_whole_text(engine):  # noqa: F811
+    ctx = sbs_context(engine, {"laneplay": True, "device": "cpu", "model": "m"})
+    for speculative in (True, False):
+        frames = frames_of(ctx, speculative)
+        done = [f for f in frames if 'data-state="done"' in f.meter]
+        assert len(done) == 1 and done[0] is frames[-1], [f.meter[:80] for f in frames]
+        assert all(f.sid is None for f in frames[:-1])  # nothing before it claims a session
+        last = frames[-1]
+        assert last.text == "S0.0 S0.1 S0.2 " and last.sid and last.last["state"] == "done"
+        (gen,) = ctx.store.get_session(last.sid, owner=OPERATOR)["generations"]
+        assert gen["text"] == last.text  # Share or History right after "done" find it
