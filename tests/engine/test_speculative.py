@@ -230,13 +230,20 @@ def run(engine, prompt, params, mode):
 
 
 def greedy_differences(engine, prompt, a: list[int], b: list[int]) -> list[float]:
-    """Where two greedy runs part: the reference's top-2 logit gap there (a near-tie explains it)."""
+    """Where two greedy runs part: the top-2 logit gap there of run a's own path (a near-tie explains it).
+    Run a is the one without speculation; its logits are replayed as the engine made them: the prompt's
+    prefill (in the runtime's chunks), then one decode step per token."""
     n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
     if n is None:
         return []
-    ids = (engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)) + a[:n]
-    top2 = engine.logits(torch.tensor([ids]))[0, -1].topk(2).values
-    return [float(top2[0] - top2[1])]
+    ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    runner = engine.runner
+    logits = runner.prefill(torch.tensor([ids]), 1, len(ids) + n + 1)
+    for j, tok in enumerate(a[:n]):
+        logits = runner.decode_step(torch.tensor([[tok]]), len(ids) + j)
+    top2 = logits.reshape(-1).float().topk(2)
+    assert int(top2.indices[0]) == a[n]  # the replay is the run
+    return [float(top2.values[0] - top2.values[1])]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "int4"])
@@ -254,9 +261,10 @@ def test_greedy_with_speculation_is_greedy_without(float_ckpt, tmp_path, dtype):
         params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
         off, m_off = run(eng, prompt, params, "off")
         on, m_on = run(eng, prompt, params, "lookup")
-        if on != off:  # only a near-tie of the float path may decide otherwise
+        if on != off:  # only a near-tie of a verify that ran as a prefill chunk (float rounding) may decide otherwise
             gap = greedy_differences(eng, prompt, off, on)
-            assert dtype == "float32" and gap[0] <= 1e-4, (trial, gap)
+            # int4: a chunk's rounding can move a row's 16-bit activation codes by one step, float32 only its sums
+            assert gap[0] <= {"float32": 1e-4, "int4": 1e-3}[dtype], (trial, gap)
         assert m_off.speculative == "off" and m_off.draft_tokens == 0 and m_off.decode_steps == 39
         assert m_on.speculative == "lookup" and m_on.completion_tokens == 40
         assert m_on.decode_steps < 39 or m_on.accepted_tokens == 0
