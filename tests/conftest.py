@@ -31,9 +31,10 @@ BROWSER = TESTS / "browser"
 
 # The longest files first: `make test` hands whole files to its workers in this order, so the long ones
 # start at once and the short ones fill in around them (no long file left to start at the end).
-LONG_FILES = ("engine/test_dtp.py", "engine/test_model.py", "bench/test_bench_quick.py", "engine/test_generate.py",
-              "bench/test_bench_spec.py", "engine/test_server.py", "engine/test_lowbit_engine.py", "test_packaging.py",
-              "app/test_ownership.py", "app/test_jobs.py", "engine/test_speculative.py", "engine/test_batching.py")
+LONG_FILES = ("engine/test_dtp.py", "engine/test_model.py", "engine/test_generate.py", "engine/test_batching.py",
+              "engine/test_server.py", "bench/test_bench_quick.py", "engine/test_speculative.py", "test_packaging.py",
+              "kernels/test_static_step.py", "kernels/test_kernels.py", "app/test_jobs.py", "app/test_ownership.py",
+              "engine/test_lowbit_engine.py", "bench/test_bench_spec.py", "engine/test_per_sample.py")
 
 
 def _order(item) -> tuple[bool, int]:
