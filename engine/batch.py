@@ -19,9 +19,11 @@ from laneplay.engine.model import request_kv_bytes
 from laneplay.engine.sampling import RowSampler, SamplingParams, sample_seeds
 from laneplay.engine.speculative import plan as plan_speculation
 from laneplay.engine.speculative import room
-from laneplay.kernels.lowbit import ACT16_MAX_ROWS
 
-STEP_ROWS = ACT16_MAX_ROWS  # the most rows a shared step takes: every row's logits stay a decode step's
+# The most rows a shared step takes (each request's rows, a verify's drafts among them). Any number keeps
+# every row's logits a decode step's (the low-bit step has 16-bit activations at any size); more would
+# stretch every row's time between tokens (16 rows already cost 5.5-6.8x one on the 2-core machines).
+STEP_ROWS = 16
 
 
 def kv_need(engine, ids: list[int], params: SamplingParams) -> int:

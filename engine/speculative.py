@@ -36,9 +36,9 @@ from laneplay.engine.sampling import SamplingParams, is_greedy, process_logits
 MODES = ("auto", "off", "lookup")
 NGRAMS = (4, 3, 2, 1)  # n-gram lengths looked up, longest first
 MATCH_MAX = 16  # how far back a match's length is measured
-# Drafts per verify: where a request starts, and the most. A verify of K_MAX + 1 = 16 rows is the most the
-# low-bit products take with 16-bit activations (kernels.lowbit.ACT16_MAX_ROWS; more rows quantize to 8
-# bits), so every verify row's logits stay bit for bit a decode step's.
+# Drafts per verify: where a request starts, and the most. A verify of K_MAX + 1 = 16 rows fits one shared
+# step (engine.batch.STEP_ROWS) and stays far below the rows from which a product is a float GEMM
+# (kernels.lowbit.gemm_min_rows), so every verify row's logits stay bit for bit a decode step's.
 K_START, K_MAX = 4, 15
 # What a verify of S rows costs in one-token decode steps is about 1 + ROW_COST * (S - 1): measured on the
 # embedded default, CPU int4, 2 cores with AVX-512 VNNI (1 row 6.2 ms, 4 rows 12.1 ms, 9 rows 25.4 ms, 16

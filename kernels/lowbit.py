@@ -20,12 +20,13 @@ from torch import Tensor
 
 FORMATS = {"int8": 0, "int4": 1}  # weight-only formats, named by their code width
 BLOCK = 32
-ACT16_MAX_ROWS = 16  # as in lowbit.c
 # Products of at least this many rows per lane (prompt chunks) unpack the weight to float and run one
-# float GEMM: there the arithmetic sets the time, not the bytes, and the float GEMM does it faster than
-# the integer dot products (measured on the default model, 2 AVX2 cores: even at 48 rows, 1.3x faster
-# at 80, 1.9x at 512), with no activation quantization at all. See `gemm_min_rows`.
-_GEMM_MIN_ROWS = [56]
+# float GEMM: there the arithmetic sets the time, not the bytes, and the float GEMM quantizes nothing.
+# Below it the integer kernels, with 16-bit activations, are faster: measured on the default model, 2
+# threads of a Sapphire Rapids host, VNNI kernel 131 ms against the GEMM's 150 at 55 rows; the AVX2
+# kernel, which sums the rest separately, breaks even at ~43 rows (127 ms against 132 at 41, 146
+# against 138 at 48). The default follows the kernel chosen at import; see `gemm_min_rows`.
+GEMM_MIN_ROWS = {"vnni": 56, "avx2": 44, "generic": 44}
 
 try:  # torch first: the extension uses the OpenMP runtime torch has already loaded
     from laneplay.kernels import _lowbit
@@ -33,6 +34,7 @@ except ImportError as e:  # pragma: no cover - only without a C compiler at inst
     _lowbit, _IMPORT_ERROR = None, e
 else:
     _IMPORT_ERROR = None
+_GEMM_MIN_ROWS = [GEMM_MIN_ROWS.get(_lowbit.kernel(), 44) if _lowbit is not None else 56]
 
 
 def available() -> bool:
@@ -67,18 +69,17 @@ def use_kernel(name: str) -> None:
 def activation_bits(bits: int | None = None) -> int:
     """How the products quantize their inputs: 16 (the default: int8 blocks of 32 plus their rounding
     rest, error <= max|x| / 64516 per block) or 8 (int8 blocks alone, error <= max|x| / 254, less
-    integer work). 16 applies to products of up to ACT16_MAX_ROWS rows per lane (decode steps and
-    sampled batches, which wait on memory, so the rest costs little); longer ones, which are
-    arithmetic-bound, take 8 (and from `gemm_min_rows` rows on, a float GEMM quantizes nothing).
-    Sets it when given; returns the setting before."""
+    integer work). It applies to every product the integer kernels run: decode steps, batches and
+    verifies, and prompt chunks of fewer than `gemm_min_rows` tokens (from there a float GEMM quantizes
+    nothing). Sets it when given; returns the setting before."""
     require()
     return _lowbit.activation_bits(0 if bits is None else int(bits))
 
 
 def gemm_min_rows(rows: int | None = None) -> int:
     """From how many rows per lane a product unpacks its weight and runs a float GEMM instead of the
-    integer kernels (prompt chunks). Sets it when given (a huge value keeps every product on the
-    integer kernels); returns the setting before."""
+    integer kernels (prompt chunks; by default GEMM_MIN_ROWS of the kernel chosen at import). Sets it
+    when given (a huge value keeps every product on the integer kernels); returns the setting before."""
     before = _GEMM_MIN_ROWS[0]
     if rows is not None:
         if int(rows) < 1:

@@ -240,19 +240,29 @@ def test_runtime_resolves_the_low_bit_dtypes():
 @torch.inference_mode()
 def test_long_prompt_chunks_run_as_float_gemms_on_the_unpacked_weights(tmp_path, name, fmt):
     """From gemm_min_rows rows on, a product is one float GEMM on the unpacked weight: a prompt then
-    prefills like the unpacked reference up to float rounding (no activation quantization at all),
+    prefills like the unpacked reference up to float rounding, with no activation quantization at all
+    (its K/V are the same bits with 8- or 16-bit codes, which only the last row's head product takes),
     and the decode after it still runs the integer kernels within their bound."""
     _, low, ref = models(tmp_path, name, fmt)
     ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(3))
-    before = lowbit.gemm_min_rows(12)
+
+    def kv_with(bits: int):
+        lowbit.activation_bits(bits)
+        cache = low.prefill(ids, 1, 40)[1]
+        return [t.clone() for t in (*cache.k, *cache.v)]
+
+    before, bits = lowbit.gemm_min_rows(12), lowbit.activation_bits()
     try:
         lr, cr = ref.prefill(ids, 1, 40)
         ll, cl = low.prefill(ids, 1, 40)
         assert torch.allclose(ll, lr, rtol=1e-4, atol=1e-4 * float(lr.abs().max()))
         a, b = ref.decode(ids[:, -1:], 24, cr), low.decode(ids[:, -1:], 24, cl)
         assert close(b, a, a.abs().max())
-        lowbit.gemm_min_rows(10 ** 9)  # the same prompt on the integer kernels: off by their bound, not less
+        assert all(torch.equal(x, y) for x, y in zip(kv_with(8), kv_with(16)))
+        lowbit.gemm_min_rows(10 ** 9)  # the same prompt on the integer kernels: within their bound,
         li, _ = low.prefill(ids, 1, 40)
-        assert close(li, lr, lr.abs().max()) and not torch.allclose(li, lr, rtol=1e-4, atol=1e-4 * float(lr.abs().max()))
+        assert close(li, lr, lr.abs().max())
+        assert not all(torch.equal(x, y) for x, y in zip(kv_with(8), kv_with(16)))  # and its codes show
     finally:
         lowbit.gemm_min_rows(before)
+        lowbit.activation_bits(bits)
