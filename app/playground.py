@@ -13,6 +13,8 @@ from laneplay.app.meter import MeterData, render
 from laneplay.app.params import PENALTIES
 from laneplay.app.quota import Limited
 from laneplay.app.stream import Column, Generation, Pages, Ticket
+from laneplay.evals.problems import Problem
+from laneplay.evals.prompting import extract_code
 from laneplay.storage import NotFound, ValidationError
 
 MODES = [("Complete the code in the editor", "complete"), ("Chat: instruction + code as context", "chat")]
@@ -72,8 +74,11 @@ def admit_generation(ctx: AppContext, request) -> str:
     return owner
 
 
-def session_title(code: str, instruction: str) -> str:
-    first = (instruction.strip() or code.strip()).splitlines()[0] if (instruction.strip() or code.strip()) else ""
+def session_title(code: str, instruction: str, mode: str = "chat") -> str:
+    """A new session's title: the first line of what the model was asked (complete: the editor's code;
+    chat: the instruction), else of the other one."""
+    asked, other = (code, instruction) if mode == "complete" else (instruction, code)
+    first = next((line.strip() for line in (asked + "\n" + other).splitlines() if line.strip()), "")
     return (first[:80] + "…") if len(first) > 80 else (first or "Untitled session")
 
 
@@ -96,6 +101,16 @@ class View:
 def view(col: Column, sid, problem: str = "") -> View:
     return View(col.text, render(col.meter), error_html(problem), sid, {**asdict(col.meter), "batch_1": True},
                 tokenview.render(col.tokens))
+
+
+def editor_code(mode: str, code: str, instruction: str, text: str, entry_point: str | None = None) -> str:
+    """What an answer puts back in the editor ("Insert into editor", Side by side's "Use this"): in complete
+    mode the editor code + the completion as is; in chat mode the answer's code block (the one defining the
+    entry point when it is known), without its fence or the prose around it."""
+    if mode == "complete":
+        return code + text
+    problem = Problem("user/0", code.strip() or instruction, entry_point or "", "")
+    return extract_code(problem, text).code.strip("\n") + "\n" if text.strip() else ""
 
 
 def with_logprobs(body: dict, chat: bool) -> dict:
@@ -157,19 +172,19 @@ class Playground:
         problem = ""
         if col.text or not g.cancelled:
             try:
-                sid = self._store(sid, owner, code_text, instruction_text, params, col)
+                sid = self._store(sid, owner, code_text, instruction_text, params, col, mode_value)
             except ValidationError as e:
                 problem = f"The generation was not stored: {e}"
         if not ticket.superseded():  # superseded: what was made is kept, and the page shows the newer run
             yield view(col, sid, problem)
 
-    def _store(self, sid, owner, code_text, instruction_text, params, col: Column) -> str:
+    def _store(self, sid, owner, code_text, instruction_text, params, col: Column, mode: str = "chat") -> str:
         """The generation and the editor state it came from, in the session (created on first use)."""
         record = {**col.stored(0), "seed": params.get("seed"), "temperature": params["temperature"]}
         stored_params = {k: params[k] for k in STORED_PARAMS if k in params}
         info = self.ctx.engine.info or {}
         return save_batch(self.ctx, sid, owner, code_text, instruction_text, info, [record],
-                          params=stored_params)[0]
+                          params=stored_params, mode=mode)[0]
 
     def stop(self, request: gr.Request):
         """Stop: the running generation of this page ends at once and says `stopped`."""
@@ -253,8 +268,8 @@ def build(ctx: AppContext, session_id: gr.State) -> dict:
                    [output, meter, error, session_id, last, tokens], concurrency_limit=None, api_name="generate",
                    show_progress="hidden", trigger_mode="multiple")
     stop.click(tab.stop, None, None, api_name="stop", show_progress="hidden", queue=False)
-    insert.click(lambda out, cur: out if out.strip() else cur, [output, code], [code], api_name="insert",
-                 show_progress="hidden")
+    insert.click(lambda out, cur, m, ins: editor_code(m, cur, ins, out) if out.strip() else cur,
+                 [output, code, mode, instruction], [code], api_name="insert", show_progress="hidden")
     share.click(tab.share, [session_id], [share_box, error], api_name="share", show_progress="hidden")
     # Once a second, the engine's state line (never the meter or the error line: a running request owns
     # those); meter.js follows this line for a resting meter and a lost engine.
@@ -265,7 +280,7 @@ def build(ctx: AppContext, session_id: gr.State) -> dict:
 
 
 def save_batch(ctx, sid, owner, code_text, instruction_text, info, records: list[dict], params: dict | None = None,
-               **fields) -> tuple[str, int]:
+               mode: str = "chat", **fields) -> tuple[str, int]:
     """One batch of generations and the editor state it came from, in the session (created on first use,
     when this browser does not own `sid`). `params`: the session's sampling settings (None: kept as they
     are); `fields`: other session fields (e.g. columns). Returns (session id, batch number)."""
@@ -275,7 +290,7 @@ def save_batch(ctx, sid, owner, code_text, instruction_text, info, records: list
     if params is not None:
         fields["params"] = params
     if not sid or not ctx.store.owns(sid, owner):
-        sid = ctx.store.create_session(title=session_title(code_text, instruction_text), owner=owner,
+        sid = ctx.store.create_session(title=session_title(code_text, instruction_text, mode), owner=owner,
                                        **{"params": {}, **fields})
     else:
         ctx.store.update_session(sid, owner=owner, **fields)

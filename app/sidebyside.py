@@ -142,13 +142,7 @@ def entry_point_of(prompt: str, tests: str, answer: str, given: str | None = "")
     return next((name for name in called if name in answer_defs), answer_defs[0] if answer_defs else None)
 
 
-def column_code(mode: str, code: str, instruction: str, text: str, entry_point: str | None = None) -> str:
-    """What "Use this" puts in the editor: in complete mode the editor code + the completion as is; in chat
-    mode the code block of the answer (the one defining the entry point when it is known)."""
-    if mode == "complete":
-        return code + text
-    problem = Problem("user/0", code.strip() or instruction, entry_point or "", "")
-    return extract_code(problem, text).code.strip("\n") + "\n" if text.strip() else ""
+column_code = playground.editor_code  # "Use this" puts what the Playground's "Insert into editor" does
 
 
 def problem_for(mode: str, code: str, instruction: str, text: str, tests: str,
@@ -399,7 +393,8 @@ class SideBySide:
             try:
                 sid, runs["batch"] = playground.save_batch(self.ctx, sid, owner, runs["code"], runs["instruction"],
                                                            self.ctx.engine.info or {},
-                                                           [_record(i, c) for i, c in enumerate(g.columns)], columns=n)
+                                                           [_record(i, c) for i, c in enumerate(g.columns)], columns=n,
+                                                           mode=runs.get("mode", "chat"))
                 runs["sid"] = sid
             except ValidationError as e:
                 problem = f"The run was not stored: {e}"
@@ -508,7 +503,7 @@ def _controls_ui() -> dict:
     ui = {}
     with gr.Row():
         ui["ncols"] = gr.Radio(COLUMN_CHOICES, value=DEFAULT_COLUMNS, label="Columns", elem_id="sbs-columns",
-                               interactive=True, min_width=190)
+                               interactive=True, min_width=240)  # room for all three choices
         ui["max_tokens"] = gr.Number(DEFAULT_MAX_TOKENS, label="Max tokens", precision=0, elem_id="sbs-max-tokens",
                                      min_width=90, interactive=True)
         ui["stops"] = gr.Textbox("", label="Stop strings", lines=1, max_lines=4, elem_id="sbs-stop-strings",

@@ -31,5 +31,5 @@ def render(tokens: list[dict], elem_id: str = "token-view") -> str:
         spans.append(f'<span class="lp-tok" tabindex="0" data-i="{i}" data-logprob="{logprob}" '
                      f'data-top="{html.escape(json.dumps(top), quote=True)}"{shade}>{html.escape(t.get("token", ""))}</span>')
     note = "" if tokens else '<span class="lp-tokens-note">Generate to see each token and the alternatives the model weighed.</span>'
-    return (f'<div id="{elem_id}" class="lp-tokens" data-tokens="{len(tokens)}" aria-label="tokens by probability">'
+    return (f'<div id="{elem_id}" class="lp-tokview" data-tokens="{len(tokens)}" aria-label="tokens by probability">'
             f'{"".join(spans)}{note}</div>')

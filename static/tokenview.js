@@ -43,7 +43,7 @@
       row.appendChild(val);
       b.appendChild(row);
     });
-    var view = tok.closest(".lp-tokens");
+    var view = tok.closest(".lp-tokview");
     b.setAttribute("data-for", (view ? view.id : "") + ":" + tok.getAttribute("data-i"));
     var r = tok.getBoundingClientRect();
     b.style.left = Math.round(window.scrollX + r.left) + "px";

@@ -2,7 +2,7 @@
 the page sees "done" only once the run is stored, in the same update as its session."""
 import asyncio
 
-from laneplay.app.playground import Playground
+from laneplay.app.playground import Playground, editor_code, session_title
 from laneplay.storage import OPERATOR
 
 from .test_sidebyside import OWNER, engine, sbs_context  # noqa: F401  (the module's server fixture)
@@ -31,3 +31,17 @@ def test_done_comes_once_with_the_stored_session_and_the_whole_text(engine):  # 
         assert last.text == "S0.0 S0.1 S0.2 " and last.sid and last.last["state"] == "done"
         (gen,) = ctx.store.get_session(last.sid, owner=OPERATOR)["generations"]
         assert gen["text"] == last.text  # Share or History right after "done" find it
+
+
+def test_a_sessions_title_is_the_first_line_of_what_the_model_was_asked():
+    assert session_title("\n\ndef f(x):\n    pass\n", "Add type hints.", "complete") == "def f(x):"
+    assert session_title("def f(x):\n", "\n  Add type hints.\nAnd a docstring.", "chat") == "Add type hints."
+    assert session_title("def f(x):\n", "   ", "chat") == "def f(x):"  # nothing asked: the other one
+    assert session_title("", "", "complete") == "Untitled session"
+    assert session_title("x = " + "1" * 100, "", "complete") == "x = " + "1" * 76 + "…"
+
+
+def test_insert_puts_the_answers_code_in_the_editor():
+    answer = "Here it is:\n```python\ndef add(a, b):\n    return a + b\n```\nIt adds."
+    assert editor_code("chat", "def add(a, b):\n", "Write add.", answer) == "def add(a, b):\n    return a + b\n"
+    assert editor_code("complete", "def add(a, b):\n", "", "    return a + b\n") == "def add(a, b):\n    return a + b\n"

@@ -8,6 +8,8 @@ import urllib.request
 
 import pytest
 
+from laneplay.app.playground import editor_code
+
 from .conftest import screenshot
 
 pytestmark = pytest.mark.slow
@@ -33,6 +35,10 @@ def wait_state(page, states, timeout=120.0, elem="#meter") -> dict:
 def output_text(page) -> str:
     return page.eval_on_selector("#output .cm-content", "el => el.cmTile ? el.cmTile.view.state.doc.toString() "
                                                           ": el.innerText")
+
+
+def editor_text(page) -> str:
+    return page.eval_on_selector("#code .cm-content", "el => el.cmTile.view.state.doc.toString()")
 
 
 def open_playground(new_context, server):
@@ -122,6 +128,14 @@ def test_generate_streams_into_output_with_a_live_meter(server, owner):
     assert done["tokens"] >= live["tokens"] and done["tps"] > 0 and done["ttft"] > 0
     assert "def add" in output_text(page)
     screenshot(page, "playground-done")
+    answer = output_text(page)
+    page.click("#insert")  # the answer's code block, not its fence or prose, becomes the editor's code
+    want = editor_code("chat", "def add(a, b):\n", INSTRUCTION, answer)
+    assert "```" not in want and "def add" in want
+    deadline = time.monotonic() + 10  # (the editor keeps no trailing newline)
+    while editor_text(page) != want.rstrip("\n") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert editor_text(page) == want.rstrip("\n")
     assert rec.hosts == {"127.0.0.1"}, rec.hosts
 
 
