@@ -138,11 +138,11 @@ class History:
     def open_session(self, sid, request: gr.Request):
         s = self.ctx.store.get_session(sid, owner=self.ctx.owner_of(request)) if sid else None
         if s is None:
-            return (gr.update(),) * 13 + ("Select one of your sessions first.", gr.update())
+            return (gr.update(),) * 14 + ("Select one of your sessions first.", gr.update())
         p = s["params"] or {}
         record = stored_meter(s, "reopened")
-        return (sid, s["code"], s["instruction"], p.get("temperature", 0.0), p.get("top_p", 1.0), p.get("top_k", 0),
-                p.get("max_tokens", 256), p.get("frequency_penalty", 0.0), p.get("presence_penalty", 0.0),
+        return (sid, s["code"], s["instruction"], s.get("mode") or gr.update(),  # (older sessions: the page's mode)
+                p.get("temperature", 0.0), p.get("top_p", 1.0), p.get("top_k", 0), p.get("max_tokens", 256), p.get("frequency_penalty", 0.0), p.get("presence_penalty", 0.0),
                 p.get("repetition_penalty", 1.0), s["generations"][-1]["text"] if s["generations"] else "",
                 render(MeterData(**record)) if record else gr.update(), record or {}, "",
                 gr.Tabs(selected="playground"))
@@ -181,9 +181,10 @@ def build(ctx: AppContext, session_id: gr.State, pg: dict, tabs: gr.Tabs, pn: di
     rename_btn.click(tab.rename, [selected, title], [notice], **quiet).then(*reload, **quiet)
     delete_btn.click(tab.delete, [selected], [notice, selected], **quiet).then(*reload, **quiet)
     revoke_btn.click(tab.revoke, [selected, link_choice], [notice, links, link_choice], **quiet).then(*reload, **quiet)
-    open_btn.click(tab.open_session, [selected], [session_id, pg["code"], pg["instruction"], pg["temperature"],
-                                                  pg["top_p"], pg["top_k"], pg["max_tokens"], pg["frequency_penalty"],
-                                                  pg["presence_penalty"], pg["repetition_penalty"], pg["output"],
-                                                  pg["meter"], pg["last"], notice, tabs], **quiet)
+    open_btn.click(tab.open_session, [selected], [session_id, pg["code"], pg["instruction"], pg["mode"],
+                                                  pg["temperature"], pg["top_p"], pg["top_k"], pg["max_tokens"],
+                                                  pg["frequency_penalty"], pg["presence_penalty"],
+                                                  pg["repetition_penalty"], pg["output"], pg["meter"], pg["last"],
+                                                  notice, tabs], **quiet)
     return {"table": table, "ids": ids, "count": count, "refresh": tab.refresh,
             "outputs": [table, ids, count, runs_table, run_ids]}

@@ -284,7 +284,7 @@ def save_batch(ctx, sid, owner, code_text, instruction_text, info, records: list
     """One batch of generations and the editor state it came from, in the session (created on first use,
     when this browser does not own `sid`). `params`: the session's sampling settings (None: kept as they
     are); `fields`: other session fields (e.g. columns). Returns (session id, batch number)."""
-    fields = dict(code=code_text, instruction=instruction_text, model=str(info.get("model") or "")[:200],
+    fields = dict(code=code_text, instruction=instruction_text, mode=mode, model=str(info.get("model") or "")[:200],
                   device=str(info.get("device") or "")[:32],
                   world_size=max(1, min(int(info.get("world_size") or 1), 8)), **fields)
     if params is not None:

@@ -91,13 +91,14 @@ def build_ui(ctx: AppContext) -> gr.Blocks:
             sid = dict(request.query_params).get("session")
             s = ctx.store.get_session(sid, owner=ctx.owner_of(request)) if sid else None
             if s is None:
-                return None, gr.update(), gr.update(), gr.update(), playground.idle_meter(ctx), {}
+                return None, gr.update(), gr.update(), gr.update(), gr.update(), playground.idle_meter(ctx), {}
             record = history.stored_meter(s, "forked") or {}
             meter = render(MeterData(**record)) if record else playground.idle_meter(ctx)
             text = s["generations"][-1]["text"] if s["generations"] else ""
-            return sid, s["code"], s["instruction"], text, meter, record
+            return sid, s["code"], s["instruction"], s.get("mode") or gr.update(), text, meter, record
 
-        demo.load(on_load, None, [session_id, pg["code"], pg["instruction"], pg["output"], pg["meter"], pg["last"]],
+        demo.load(on_load, None, [session_id, pg["code"], pg["instruction"], pg["mode"], pg["output"], pg["meter"],
+                                  pg["last"]],
                   show_progress="hidden").then(None, None, None, js=CLEAN_URL)
         demo.load(pn["on_load"], None, pn["load_outputs"], show_progress="hidden")
     demo.queue(default_concurrency_limit=None, max_size=256)

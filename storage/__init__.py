@@ -10,12 +10,12 @@ default, any SQLAlchemy URL works). Independent of the engine; `app` and `evals`
     # every row). None, a malformed id or another owner reads as if the row did not exist (None, [],
     # False) and writes raise NotFound.
     sid = db.create_session(*, owner, title="", model="", device="", world_size=1, columns=1,
-                            code="", instruction="", params=None) -> str   # LimitReached past
+                            code="", instruction="", params=None, mode=None) -> str   # LimitReached past
                                                  # MAX_SESSIONS_PER_OWNER
     db.get_session(sid, *, owner) -> dict | None  # with "generations" and "comparisons" (full)
     db.owns(sid, owner) -> bool
     db.update_session(sid, *, owner, **fields)   # any of title, model, device, world_size, columns,
-                                                 # code, instruction, params
+                                                 # code, instruction, params, mode ("chat" | "complete")
     db.list_sessions(limit=50, *, owner) -> list[dict]  # summaries (+ best_tokens_per_second,
                                                  # generations, share_links), newest first
     db.delete_session(sid, *, owner) -> bool     # cascades, share links included

@@ -68,6 +68,7 @@ class PlaySession(Base):
     code: Mapped[str] = mapped_column(Text)
     instruction: Mapped[str] = mapped_column(Text)
     params: Mapped[dict[str, Any]] = mapped_column(JSON)  # SamplingParams fields
+    mode: Mapped[str | None] = mapped_column(String(16))  # MODES: the Playground mode; None: made before it was kept
     owner_hash: Mapped[str | None] = mapped_column(String(64), index=True)  # SHA-256 of the owner id; None: nobody's
 
     generations: Mapped[list[Generation]] = relationship(
@@ -83,7 +84,7 @@ class PlaySession(Base):
 
     def to_dict(self) -> dict[str, Any]:
         return {**self.summary(), "columns": self.columns, "code": self.code, "instruction": self.instruction,
-                "params": dict(self.params), "generations": [g.to_dict() for g in self.generations],
+                "params": dict(self.params), "mode": self.mode, "generations": [g.to_dict() for g in self.generations],
                 "comparisons": [c.to_dict() for c in self.comparisons]}
 
 

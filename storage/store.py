@@ -40,7 +40,8 @@ class _Operator:
 OPERATOR = _Operator()
 _DENIED = object()  # the scope of a missing or malformed owner: matches no row
 
-SESSION_FIELDS = ("title", "model", "device", "world_size", "columns", "code", "instruction", "params")
+SESSION_FIELDS = ("title", "model", "device", "world_size", "columns", "code", "instruction", "params", "mode")
+MODES = ("chat", "complete")  # a session's Playground mode
 
 
 def _session_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
@@ -56,6 +57,7 @@ def _session_fields(fields: Mapping[str, Any]) -> dict[str, Any]:
         "code": lambda x: v.text("code", x, "MAX_CODE_CHARS"),
         "instruction": lambda x: v.text("instruction", x, "MAX_INSTRUCTION_CHARS"),
         "params": lambda x: v.sampling_params("params", x),
+        "mode": lambda x: None if x is None else v.one_of("mode", x, MODES),
     }
     return {k: checks[k](x) for k, x in fields.items()}
 
@@ -287,11 +289,12 @@ class Store:
 
     def create_session(self, *, title: str = "", model: str = "", device: str = "", world_size: int = 1,
                        columns: int = 1, code: str = "", instruction: str = "",
-                       params: Mapping[str, Any] | None = None, owner: Any) -> str:
+                       params: Mapping[str, Any] | None = None, mode: str | None = None, owner: Any) -> str:
         """A new session in `owner`'s History (OPERATOR: a session of the operator's, in nobody's History).
         An owner holds at most MAX_SESSIONS_PER_OWNER sessions (LimitReached past it)."""
         fields = _session_fields(dict(title=title, model=model, device=device, world_size=world_size,
-                                      columns=columns, code=code, instruction=instruction, params=params))
+                                      columns=columns, code=code, instruction=instruction, params=params,
+                                      mode=mode))
         owner_hash = self._creator(owner)
         with self._write() as s:
             self._check_session_room(s, owner_hash)
@@ -661,7 +664,7 @@ class Store:
         snap = self.get_shared(token)
         if snap is None:
             return None
-        fields = _session_fields({k: snap[k] for k in SESSION_FIELDS})
+        fields = _session_fields({k: snap[k] for k in SESSION_FIELDS if k in snap})  # (older snapshots: no mode)
         batches: dict[int, list[dict[str, Any]]] = {}
         for g in snap["generations"]:
             batches.setdefault(g["batch"], []).append(g)

@@ -296,6 +296,38 @@ def test_rename_and_delete_a_session_in_history(server, owner):
     assert len(gone) == len(before) - 1 and not any("Renamed in the browser test" in r for r in gone)
 
 
+def checked_mode(page) -> str:
+    return page.eval_on_selector("#mode", "m => { const i = m.querySelector('input:checked'); "
+                                          "return i ? i.closest('label').innerText : ''; }")
+
+
+def test_history_reopens_a_session_in_its_own_mode(server, owner):
+    """A session made in Complete mode reopens in Complete mode (its title the code's first line), whatever
+    mode the page was in."""
+    _, _, page = owner
+    page.get_by_role("tab", name="Playground").click()
+    page.locator("#mode label", has_text="Complete").click()
+    generate(page, "", max_tokens=8, code="def triple(x):\n")
+    deadline = time.monotonic() + 90  # (the meter may still say the last run's "done": History says when)
+    while not (rows := history_rows(page)) or not rows[0].startswith("def triple(x):"):  # newest first
+        assert time.monotonic() < deadline, rows[:1]
+        time.sleep(0.5)
+    page.get_by_role("tab", name="Playground").click()
+    page.locator("#mode label", has_text="Chat").click()
+    assert "Chat" in checked_mode(page)
+    assert history_rows(page)[0].startswith("def triple(x):")
+    page.locator('#history [role=row][aria-rowindex="2"] [role=gridcell]').first.click()
+    page.wait_for_function("() => document.querySelector('#history-title textarea, #history-title input')"
+                           ".value.startsWith('def triple')")
+    page.click("#history-open")
+    page.wait_for_selector("#generate", state="visible")
+    deadline = time.monotonic() + 10
+    while "Complete" not in checked_mode(page) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "Complete" in checked_mode(page)
+    page.locator("#mode label", has_text="Chat").click()  # as the other tests expect it
+
+
 def test_four_browsers_generate_together_and_each_meter_shows_its_wait(server, new_context):
     """Four people press Generate at once: the engine batches them (up to 16 rows a step), so all four
     meters run at the same time and all finish; each one's TTFT counts from its click (the wait for the

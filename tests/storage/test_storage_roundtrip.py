@@ -8,7 +8,7 @@ import pytest
 from sqlalchemy import text
 
 from laneplay.evals.passk import pass_at_k  # what the caller (laneplay eval) computes and stores
-from laneplay.storage import OPERATOR, NotFound, Store
+from laneplay.storage import OPERATOR, NotFound, Store, ValidationError
 
 from .storage_testutil import gen, make_comparison, passk_formula, row_counts
 
@@ -31,6 +31,18 @@ def test_session_round_trip(store):
     assert (got2["title"], got2["code"], got2["params"]) == ("renamed", "x = 1\n", {"temperature": 0.0})
     assert got2["instruction"] == SESSION["instruction"] and got2["created_at"] == got["created_at"]
     assert got2["updated_at"] > got["updated_at"]
+
+
+def test_a_session_keeps_its_playground_mode(store):
+    sid = store.create_session(code="def f():\n", mode="complete", owner=OPERATOR)
+    assert store.get_session(sid, owner=OPERATOR)["mode"] == "complete"
+    store.update_session(sid, mode="chat", owner=OPERATOR)
+    assert store.get_session(sid, owner=OPERATOR)["mode"] == "chat"
+    assert store.get_session(store.create_session(owner=OPERATOR), owner=OPERATOR)["mode"] is None  # not said
+    with pytest.raises(ValidationError, match="mode"):
+        store.update_session(sid, mode="poem", owner=OPERATOR)
+    token, _ = store.share_session(sid, owner=OPERATOR)
+    assert store.get_session(store.fork_shared(token, owner=OPERATOR), owner=OPERATOR)["mode"] == "chat"
 
 
 def test_session_defaults_list_and_delete(store):
