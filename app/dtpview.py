@@ -267,7 +267,13 @@ def table_html(runs: list[Run]) -> str:
                     f'<th>{_esc(label)}</th><td>{_f(t.get("ms_per_token"), ".2f") or "–"}</td>'
                     f'<td>{_f(t.get("decode_tokens_per_second"), ".1f") or "–"}</td>{"".join(cells)}</tr>')
     a = " ".join(f'{k}="{_esc(v)}"' for k, v in attrs.items())
-    if share is None:
+    wait_now = by_mode["wait_now"].timeline if "wait_now" in by_mode else None
+    if share is None and "delayed" in by_mode and wait_now and exposed_comm_ms(wait_now) == 0:
+        summary = ("Both modes ran, and neither waited on a delayed sum: every collective of this model blocks "
+                   "where it is issued (a checkpoint of another architecture, such as the embedded Llama-style "
+                   "default, runs standard tensor parallelism), so the delay has nothing to hide here. A "
+                   "Laneformer checkpoint shows the difference.")
+    elif share is None:
         summary = "Run both modes to see how much of the communication the delay hides."
     else:
         speed = (f" Wait-now takes {ms['wait_now'] / ms['delayed']:.2f}× delayed's time per token."

@@ -86,6 +86,17 @@ def test_the_timeline_has_a_row_per_mode_and_rank_and_the_table_both_modes():
     assert 'data-rows="0"' in dtpview.timeline_svg([]) and 'data-modes="0"' in dtpview.table_html([])
 
 
+def test_a_model_whose_collectives_all_block_says_the_delay_has_nothing_to_hide():
+    """Both modes ran and neither waited on a delayed sum (standard tensor parallelism): the summary says so,
+    instead of asking for both modes again."""
+    blocking = [Run(m, timing={"ms_per_token": 10.0, "decode_tokens_per_second": 100.0,
+                               "timeline": {"ranks": [rank(0, 0.0, 0.0), rank(1, 0.0, 0.0)]}})
+                for m in ("delayed", "wait_now")]
+    table = dtpview.table_html(blocking)
+    assert 'data-hidden-share=""' in table and "nothing to hide" in table and "Run both modes" not in table
+    assert "Run both modes" in dtpview.table_html(blocking[:1])  # one mode: the other is still to run
+
+
 def test_the_prediction_is_for_the_served_model_when_it_splits_over_8_gpus_else_laneformer_2b():
     from laneplay.engine.checkpoint import tiny_laneformer_config
     from laneplay.engine.config import config_from_hf
