@@ -186,6 +186,11 @@ def _columns_text(cols: list[int]) -> str:
                                                          if len(names) > 1 else names[0])
 
 
+# Why the run's rate per column reads lower than the columns' own meters: it spreads the run's whole decode time
+# over the columns, while a meter times its column from its own first token to its own last.
+PER_COLUMN = " (the run's decode time shared by the columns; each meter times its own column)"
+
+
 def aggregate_html(agg: dict | None, single_ms: float | None, state: str = "idle") -> str:
     """The aggregate line `#sbs-aggregate`; its data-* attributes carry the numbers: `data-requests` says
     what was measured ("batch": one request for all columns, the engine's decode time; "per-column": one
@@ -208,11 +213,11 @@ def aggregate_html(agg: dict | None, single_ms: float | None, state: str = "idle
     elif per_col:
         head = (f"<b>{what}: {agg['batch_tps']:.1f} tokens/s</b> over all columns (the engine steps the requests "
                 f"together; a speculating column may take several tokens a step) · {agg['column_tps']:.1f} "
-                f"tokens/s per column · {agg['decoded']} tokens decoded in {agg['decode_s']:.2f} s, timed here "
+                f"tokens/s per column{PER_COLUMN} · {agg['decoded']} tokens decoded in {agg['decode_s']:.2f} s, timed here "
                 f"from the first token of any column to the last of any")
     else:
         head = (f"<b>{what}: {agg['batch_tps']:.1f} tokens/s</b> over all columns · "
-                f"{agg['column_tps']:.1f} tokens/s per column · {agg['decoded']} tokens decoded in "
+                f"{agg['column_tps']:.1f} tokens/s per column{PER_COLUMN} · {agg['decoded']} tokens decoded in "
                 f"{agg['decode_s']:.2f} s")
     if agg["single_ms"] is None:
         alone = "One column alone: run one Playground generation in this page for a batch-1 reference."
