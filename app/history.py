@@ -141,8 +141,9 @@ class History:
             return (gr.update(),) * 14 + ("Select one of your sessions first.", gr.update())
         p = s["params"] or {}
         record = stored_meter(s, "reopened")
-        return (sid, s["code"], s["instruction"], s.get("mode") or gr.update(),  # (older sessions: the page's mode)
-                p.get("temperature", 0.0), p.get("top_p", 1.0), p.get("top_k", 0), p.get("max_tokens", 256), p.get("frequency_penalty", 0.0), p.get("presence_penalty", 0.0),
+        return (sid, s["code"], s["instruction"], s["mode"] or gr.update(),  # (older sessions: the page's mode)
+                p.get("temperature", 0.0), p.get("top_p", 1.0), p.get("top_k", 0), p.get("max_tokens", 256),
+                p.get("frequency_penalty", 0.0), p.get("presence_penalty", 0.0),
                 p.get("repetition_penalty", 1.0), s["generations"][-1]["text"] if s["generations"] else "",
                 render(MeterData(**record)) if record else gr.update(), record or {}, "",
                 gr.Tabs(selected="playground"))

@@ -178,7 +178,7 @@ class Playground:
         if not ticket.superseded():  # superseded: what was made is kept, and the page shows the newer run
             yield view(col, sid, problem)
 
-    def _store(self, sid, owner, code_text, instruction_text, params, col: Column, mode: str = "chat") -> str:
+    def _store(self, sid, owner, code_text, instruction_text, params, col: Column, mode: str) -> str:
         """The generation and the editor state it came from, in the session (created on first use)."""
         record = {**col.stored(0), "seed": params.get("seed"), "temperature": params["temperature"]}
         stored_params = {k: params[k] for k in STORED_PARAMS if k in params}

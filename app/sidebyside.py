@@ -213,8 +213,8 @@ def aggregate_html(agg: dict | None, single_ms: float | None, state: str = "idle
     elif per_col:
         head = (f"<b>{what}: {agg['batch_tps']:.1f} tokens/s</b> over all columns (the engine steps the requests "
                 f"together; a speculating column may take several tokens a step) · {agg['column_tps']:.1f} "
-                f"tokens/s per column{PER_COLUMN} · {agg['decoded']} tokens decoded in {agg['decode_s']:.2f} s, timed here "
-                f"from the first token of any column to the last of any")
+                f"tokens/s per column{PER_COLUMN} · {agg['decoded']} tokens decoded in {agg['decode_s']:.2f} s, "
+                f"timed here from the first token of any column to the last of any")
     else:
         head = (f"<b>{what}: {agg['batch_tps']:.1f} tokens/s</b> over all columns · "
                 f"{agg['column_tps']:.1f} tokens/s per column{PER_COLUMN} · {agg['decoded']} tokens decoded in "

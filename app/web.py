@@ -95,7 +95,7 @@ def build_ui(ctx: AppContext) -> gr.Blocks:
             record = history.stored_meter(s, "forked") or {}
             meter = render(MeterData(**record)) if record else playground.idle_meter(ctx)
             text = s["generations"][-1]["text"] if s["generations"] else ""
-            return sid, s["code"], s["instruction"], s.get("mode") or gr.update(), text, meter, record
+            return sid, s["code"], s["instruction"], s["mode"] or gr.update(), text, meter, record
 
         demo.load(on_load, None, [session_id, pg["code"], pg["instruction"], pg["mode"], pg["output"], pg["meter"],
                                   pg["last"]],

@@ -660,20 +660,20 @@ typedef struct {
     int16_t *x16;  /* 16-bit activations, widened for TILE16 */
 } act_t;
 
-static int act_hi(int64_t M) { (void)M; return ACT_BITS == 16; }
+static int act_hi(void) { return ACT_BITS == 16; }
 
 static size_t act_bytes(const packed_t *w, int64_t M, int pre, int nthreads, size_t *q_bytes) {
     int64_t rows = w->L * M, ns = SPAD(w->Kp / QK);
     size_t q = (size_t)(rows * w->Kp + 63) / 64 * 64, s = 2 * sizeof(float) * (size_t)(rows * ns);
     size_t t = pre != PRE_NONE ? sizeof(float) * (size_t)(w->K * nthreads) : 0;
     if (q_bytes) *q_bytes = q;
-    return ((1 + act_hi(M)) * q + s + t + 63) / 64 * 64 + (act_hi(M) ? 2 * q : 0);
+    return ((1 + act_hi()) * q + s + t + 63) / 64 * 64 + (act_hi() ? 2 * q : 0);
 }
 
 static act_t act_at(int8_t *base, const packed_t *w, int64_t M, int pre, int nthreads) {
     size_t q;
     act_bytes(w, M, pre, nthreads, &q);
-    int hi = act_hi(M);
+    int hi = act_hi();
     int64_t rows = w->L * M, ns = SPAD(w->Kp / QK);
     act_t a = {base, hi ? base + q : NULL, (float *)(base + (1 + hi) * q), NULL, NULL, NULL};
     a.xs = a.xd + rows * ns;
@@ -713,7 +713,7 @@ static void linear_team(const packed_t *w, int64_t M, const float *x, float *y, 
     const int8_t *qs = w->qs;
     const uint16_t *wd = w->d, *wm = w->m;
     int64_t row_bytes = fmt == FMT_Q8 ? Kp : Kp / 2, rows = L * M, xstride = pre == PRE_SWIGLU ? 2 * K : K;
-    int paired = fmt == FMT_Q4 && DOT != dot_generic, hi = act_hi(M), wide16 = hi && TILE16;
+    int paired = fmt == FMT_Q4 && DOT != dot_generic, hi = act_hi(), wide16 = hi && TILE16;
     int nw = linear_wide(w, M) ? nth : 1;  /* the threads that work; the others only meet them */
     int64_t lo, up;
     if (tid < nw) {

@@ -34,7 +34,7 @@ except ImportError as e:  # pragma: no cover - only without a C compiler at inst
     _lowbit, _IMPORT_ERROR = None, e
 else:
     _IMPORT_ERROR = None
-_GEMM_MIN_ROWS = [GEMM_MIN_ROWS.get(_lowbit.kernel(), 44) if _lowbit is not None else 56]
+_GEMM_MIN_ROWS = [GEMM_MIN_ROWS.get(_lowbit.kernel(), GEMM_MIN_ROWS["generic"]) if _lowbit is not None else 56]
 
 
 def available() -> bool:
