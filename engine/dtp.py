@@ -28,6 +28,7 @@ import bisect
 import itertools
 import json
 import math
+import multiprocessing
 import os
 import secrets
 import shutil
@@ -440,12 +441,12 @@ def summarize_timeline(events, rank: int, keep: int = STEPS_KEPT) -> dict:
     return out
 
 
-def rank_main(rank: int, address: str, port: int, timeout_s: float, runtime: Runtime) -> None:
+def rank_main(rank: int, address: str, port: int, timeout_s: float, runtime: Runtime, key: bytes) -> None:
     """A rank process: join the process group, then serve the front's messages until "close"."""
-    die_with_parent(signal.SIGKILL)  # no orphaned ranks if the front process dies
+    die_with_parent(signal.SIGKILL)  # no orphaned ranks if their parent (the rank server) dies
     runtime = runtime.for_rank(rank)
     torch.set_num_threads(runtime.threads)
-    conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop("LANEPLAY_DTP_KEY")))
+    conn = Client(address, family="AF_UNIX", authkey=key)
     conn.send(("hello", rank))
     if runtime.torch_device.type == "cuda":
         torch.cuda.set_device(runtime.torch_device)
@@ -487,6 +488,47 @@ def rank_main(rank: int, address: str, port: int, timeout_s: float, runtime: Run
 
 # ---- the front ----------------------------------------------------------------------------------
 
+def _rank(rank: int, address: str, port: int, timeout_s: float, runtime: dict, key: bytes) -> None:
+    rank_main(rank, address, port, timeout_s, Runtime(**runtime), key)
+
+
+def _rank_server():
+    """Where rank processes come from: multiprocessing's fork server for this process, which imports
+    torch and the engine once (about 2.5 s of CPU) and forks every rank from there, so a rank starts in
+    milliseconds. It starts with the first DTP engine, keeps this process's environment as it was then,
+    and ends with this process (its ranks with it: `die_with_parent`)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    return ctx
+
+
+class RankProcess:
+    """A rank forked by the rank server, seen through subprocess.Popen's interface."""
+
+    def __init__(self, process):
+        self._process = process
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode  # -N: killed by signal N, as Popen reports it
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"DTP rank (pid {self.pid})", timeout)
+        return self._process.exitcode
+
+    def kill(self) -> None:
+        self._process.kill()
+
+
 class DTPRunner:
     """The runner the engine's front end drives when the lanes live on `world_size` rank processes.
 
@@ -523,13 +565,13 @@ class DTPRunner:
         self._sockdir = tempfile.mkdtemp(prefix="laneplay-dtp-")
         address = os.path.join(self._sockdir, "front.sock")
         listener = Listener(address, family="AF_UNIX", authkey=key)
-        env = dict(os.environ, LANEPLAY_DTP_KEY=key.hex())
         try:
-            port = free_port()
-            for rank in range(self.world_size):
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "laneplay.engine.dtp", str(rank), address, str(port), str(timeout_s),
-                     json.dumps(runtime.to_dict())], env=env, stdin=subprocess.DEVNULL))
+            port, ctx = free_port(), _rank_server()
+            for rank in range(self.world_size):  # daemons: ended (SIGTERM) if this process exits first
+                proc = ctx.Process(target=_rank, args=(rank, address, port, timeout_s, runtime.to_dict(), key),
+                                   name=f"laneplay-dtp-rank-{rank}", daemon=True)
+                proc.start()
+                self.procs.append(RankProcess(proc))
             self.conns = self._accept(listener, deadline=time.monotonic() + max(120.0, timeout_s))
         except BaseException:
             self.close()
@@ -783,5 +825,6 @@ class DTPRunner:
             self._failure = "the engine was closed"
 
 
-if __name__ == "__main__":  # a rank process, started by DTPRunner
-    rank_main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), Runtime(**json.loads(sys.argv[5])))
+if __name__ == "__main__":  # a rank process started by hand: rank, front address, port, timeout, runtime JSON
+    rank_main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), Runtime(**json.loads(sys.argv[5])),
+              bytes.fromhex(os.environ.pop("LANEPLAY_DTP_KEY")))
