@@ -289,6 +289,8 @@ def save_batch(ctx, sid, owner, code_text, instruction_text, info, records: list
                   world_size=max(1, min(int(info.get("world_size") or 1), 8)), **fields)
     if params is not None:
         fields["params"] = params
+    asked = {"mode": mode, "instruction": instruction_text, "code": code_text}  # each output keeps what it answered
+    records = [{**r, **asked} for r in records]
     if not sid or not ctx.store.owns(sid, owner):
         sid = ctx.store.create_session(title=session_title(code_text, instruction_text, mode), owner=owner,
                                        **{"params": {}, **fields})

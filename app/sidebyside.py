@@ -263,6 +263,23 @@ def result_html(i: int, status: str = "", message: str = "", detail: str = "") -
             f'{html.escape(message)}{pre}</div>')
 
 
+def asked_html(g: dict) -> str:
+    """What an output was asked, where that is not what the page shows above it: a snapshot keeps a
+    generation's mode, instruction and code only where they differ from its session's (share.snapshot)."""
+    esc = html.escape
+    parts = []
+    if g.get("mode"):
+        parts.append(f"<p class='lp-muted'>mode {esc(g['mode'])}</p>")
+    if g.get("instruction") is not None:
+        parts.append(f"<h4>Instruction</h4><pre class='lp-text'>{esc(g['instruction'])}</pre>")
+    if g.get("code") is not None:
+        parts.append(f"<h4>Code</h4><pre class='lp-code'>{esc(g['code'])}</pre>")
+    if not parts:
+        return ""
+    return (f"<details class='lp-asked'><summary>This output answered an earlier request (not the one "
+            f"above)</summary>{''.join(parts)}</details>")
+
+
 def share_html(gens: list[dict]) -> str:
     """A stored side-by-side batch for the read-only share page: one column per generation with its
     settings, its meter (compact), its text and its test status."""
@@ -281,7 +298,7 @@ def share_html(gens: list[dict]) -> str:
                     f"<pre class='lp-code'>{html.escape(g['text'])}</pre>{test}</div>")
     how = "one request per column" if any(g.get("speculative") for g in gens) else "in one batch"
     return (f"<section class='lp-gen lp-sbs-share' data-batch='{gens[0]['batch']}'><h3>Side by side · "
-            f"{len(gens)} columns {how}</h3><div class='lp-sbs-grid' style='--cols:{len(gens)}'>"
+            f"{len(gens)} columns {how}</h3>{asked_html(gens[0])}<div class='lp-sbs-grid' style='--cols:{len(gens)}'>"
             f"{''.join(cols)}</div></section>")
 
 

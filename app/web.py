@@ -377,7 +377,7 @@ def share_page(token: str, snap: dict) -> str:
     for i, g in enumerate(reversed(plain)):
         meter = render(of_stored(g), elem_id="meter" if i == 0 else f"meter-{i}", compact=True)
         outputs.append(f"<section class='lp-gen'><h3>Output {len(plain) - i} · seed {esc(str(g['seed']))} · "
-                       f"temperature {esc(str(g['temperature']))}</h3>{meter}"
+                       f"temperature {esc(str(g['temperature']))}</h3>{sidebyside.asked_html(g)}{meter}"
                        f"<pre class='lp-code' {'id=output' if i == 0 else ''}>{esc(g['text'])}</pre></section>")
     runs = share_runs(token, snap.get("comparisons") or [])
     body = (f"<header><a href='/' class='lp-brand'>Laneplay</a> · shared session (read-only snapshot from "

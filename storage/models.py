@@ -115,12 +115,16 @@ class Generation(Base):
     test_status: Mapped[str | None] = mapped_column(String(8))  # STATUSES, once its code ran against tests
     test_error: Mapped[str | None] = mapped_column(Text)
     speculative: Mapped[bool | None] = mapped_column(Boolean)  # prompt-lookup speculation asked for ("auto": on)
+    # what its request asked: the Playground mode, instruction and code (None: made before they were kept)
+    mode: Mapped[str | None] = mapped_column(String(16))
+    instruction: Mapped[str | None] = mapped_column(Text)
+    code: Mapped[str | None] = mapped_column(Text)
 
     session: Mapped[PlaySession] = relationship(back_populates="generations")
 
     FIELDS = ("sample_index", "seed", "temperature", "text", "finish_reason", "prompt_tokens",
               "completion_tokens", "ttft_ms", "decode_tokens_per_second", "ms_per_token", "device", "world_size",
-              "top_p", "top_k", "kind", "test_status", "test_error", "speculative")
+              "top_p", "top_k", "kind", "test_status", "test_error", "speculative", "mode", "instruction", "code")
 
     def to_dict(self) -> dict[str, Any]:
         return {"batch": self.batch, **{f: getattr(self, f) for f in self.FIELDS}, "created_at": iso(self.created_at)}

@@ -18,7 +18,7 @@ from laneplay.storage import limits
 from laneplay.storage.models import iso, utcnow
 from laneplay.storage.validate import ValidationError
 
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = 2  # 2: a generation's mode, instruction and code (where not its session's)
 _URLSAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
 _NO_OWNER = "0" * 64  # compared against when the token is unknown: same work, never equal to a digest
 
@@ -46,10 +46,17 @@ def owner_matches(owner_secret: object, owner_hash: str | None) -> bool:
     return same and owner_hash is not None
 
 
+ASKED = ("mode", "instruction", "code")  # what a generation was asked, as its session keeps it
+
+
 def snapshot(session: dict[str, Any]) -> str:
     """The immutable copy behind a link: the session as `Store.get_session` returns it, minus every
     id (a session id is its owner's key to edit it; comparison ids would open get_comparison)."""
     snap = {k: x for k, x in session.items() if k != "id"}
+    # an output asked what the session now shows keeps no copy of it (the page shows the session's)
+    now = {k: session.get(k) for k in ASKED}
+    snap["generations"] = [{k: x for k, x in g.items() if k not in ASKED or (x is not None and x != now[k])}
+                           for g in session.get("generations") or []]
     snap["comparisons"] = [{k: x for k, x in c.items() if k not in ("id", "session_id")}
                            for c in session["comparisons"]]
     snap = {"snapshot_version": SNAPSHOT_VERSION, "shared_at": iso(utcnow()), **snap}

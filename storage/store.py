@@ -100,6 +100,9 @@ def _generation(i: int, rec: Any) -> dict[str, Any]:
         "test_status": None if f["test_status"] is None else v.one_of(f"{p}.test_status", f["test_status"], STATUSES),
         "test_error": _excerpt(f"{p}.test_error", f["test_error"]),
         "speculative": None if f["speculative"] is None else v.boolean(f"{p}.speculative", f["speculative"]),
+        "mode": None if f["mode"] is None else v.one_of(f"{p}.mode", f["mode"], MODES),
+        "instruction": v.text(f"{p}.instruction", f["instruction"], "MAX_INSTRUCTION_CHARS", optional=True),
+        "code": v.text(f"{p}.code", f["code"], "MAX_CODE_CHARS", optional=True),
         "sample_index": v.integer(f"{p}.sample_index", f["sample_index"], 0, limits.MAX_SAMPLES - 1),
         "seed": v.integer(f"{p}.seed", f["seed"], 0, "MAX_SEED", optional=True),
         "temperature": v.number(f"{p}.temperature", f["temperature"], 0.0, "MAX_TEMPERATURE", optional=True),
@@ -666,8 +669,9 @@ class Store:
             return None
         fields = _session_fields({k: snap[k] for k in SESSION_FIELDS if k in snap})  # (older snapshots: no mode)
         batches: dict[int, list[dict[str, Any]]] = {}
-        for g in snap["generations"]:
-            batches.setdefault(g["batch"], []).append(g)
+        asked = {k: snap.get(k) for k in share.ASKED} if snap.get("snapshot_version", 1) >= 2 else {}
+        for g in snap["generations"]:  # (version 2 drops what a generation asked where it is the session's)
+            batches.setdefault(g["batch"], []).append({**asked, **g})
         with self._write() as s:
             self._check_session_room(s, owner_hash)
             session = self._insert_session(s, fields)

@@ -45,3 +45,33 @@ def test_insert_puts_the_answers_code_in_the_editor():
     answer = "Here it is:\n```python\ndef add(a, b):\n    return a + b\n```\nIt adds."
     assert editor_code("chat", "def add(a, b):\n", "Write add.", answer) == "def add(a, b):\n    return a + b\n"
     assert editor_code("complete", "def add(a, b):\n", "", "    return a + b\n") == "def add(a, b):\n    return a + b\n"
+
+
+def test_each_output_keeps_what_it_was_asked_on_the_share_page_and_in_a_fork(engine):  # noqa: F811
+    from laneplay.app.playground import save_batch
+    from laneplay.app.web import share_page
+
+    ctx = sbs_context(engine, {"laneplay": True, "device": "cpu", "model": "m"})
+    info = {"model": "m", "device": "cpu", "world_size": 1}
+
+    def record(text):
+        return {"sample_index": 0, "text": text, "prompt_tokens": 5, "completion_tokens": 2, "seed": 0,
+                "temperature": 0.0}
+
+    sid, _ = save_batch(ctx, None, OWNER, "def f(x):\n    return x\n", "Add type hints.", info, [record("one")])
+    save_batch(ctx, sid, OWNER, "def f(x):\n    return x\n", "Add a docstring.", info, [record("two")])
+    save_batch(ctx, sid, OWNER, "def g(y):\n", "", info, [record("three")], mode="complete")
+    first, second, third = ctx.store.get_session(sid, owner=OWNER)["generations"]
+    assert (first["instruction"], second["instruction"], third["mode"]) == ("Add type hints.", "Add a docstring.",
+                                                                           "complete")
+    token, _ = ctx.store.share_session(sid, owner=OWNER)
+    snap = ctx.store.get_shared(token)
+    kept = [{k for k in ("mode", "instruction", "code") if k in g} for g in snap["generations"]]
+    assert kept == [{"mode", "instruction", "code"}, {"mode", "instruction", "code"}, set()]  # the latest: the session's
+    page = share_page(token, snap)
+    assert page.count("class='lp-asked'") == 2 and "Add type hints." in page and "Add a docstring." in page
+    assert page.index("Output 3") < page.index("three") < page.index("Output 2") < page.index("Add a docstring.")
+    forked = ctx.store.fork_shared(token, owner=OWNER)
+    copies = ctx.store.get_session(forked, owner=OWNER)["generations"]
+    assert [(g["mode"], g["instruction"], g["code"]) for g in copies] == [
+        (g["mode"], g["instruction"], g["code"]) for g in (first, second, third)]

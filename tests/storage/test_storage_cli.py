@@ -12,9 +12,9 @@ def test_db_upgrade_and_current(db_url, capsys):
     assert main(["db", "upgrade", "--url", db_url, "--revision", "0001"]) == 0
     assert "0001" in capsys.readouterr().out
     assert main(["db", "upgrade", "--url", db_url]) == 0
-    assert "revision 0006" in capsys.readouterr().out
+    assert "revision 0007" in capsys.readouterr().out
     assert main(["db", "current", "--url", db_url]) == 0
-    assert storage.current(db_url) == "0006"
+    assert storage.current(db_url) == "0007"
 
 
 def test_db_upgrade_uses_the_environment(tmp_path, monkeypatch, capsys):

@@ -36,17 +36,17 @@ def tables(url: str) -> set[str]:
 
 def test_history_is_linear_with_two_revisions():
     script = ScriptDirectory.from_config(alembic_config())
-    assert script.get_heads() == [storage.head()] == ["0006"]
-    assert [r.revision for r in script.walk_revisions()] == ["0006", "0005", "0004", "0003", "0002", "0001"]
+    assert script.get_heads() == [storage.head()] == ["0007"]
+    assert [r.revision for r in script.walk_revisions()] == ["0007", "0006", "0005", "0004", "0003", "0002", "0001"]
 
 
 def test_upgrade_empty_database_to_head(db_url):
     assert storage.current(db_url) is None
-    assert storage.upgrade(db_url) == "0006"
-    assert storage.current(db_url) == "0006"
+    assert storage.upgrade(db_url) == "0007"
+    assert storage.current(db_url) == "0007"
     assert tables(db_url) == TABLES
     assert schema_diff(db_url) == []
-    assert storage.upgrade(db_url) == "0006"  # idempotent
+    assert storage.upgrade(db_url) == "0007"  # idempotent
 
 
 def test_upgrade_from_previous_revision_keeps_data(db_url):
@@ -67,7 +67,7 @@ def test_upgrade_from_previous_revision_keeps_data(db_url):
     engine.dispose()
 
     with Store(db_url) as s:  # opening the store upgrades
-        assert storage.current(db_url) == "0006"
+        assert storage.current(db_url) == "0007"
         assert s.get_session(sid, owner=OPERATOR)["title"] == "made before share links existed"
         token, _ = s.share_session(sid, owner=OPERATOR)
         assert s.get_shared(token)["generations"][0]["text"] == "y"
@@ -84,7 +84,7 @@ def test_upgrade_from_0002_gives_sessions_no_owner(db_url):
                           "'2026-01-01 00:00:00', 'before owners', '', '', 1, 1, '', '', '{}')"), {"id": sid})
     engine.dispose()
     with Store(db_url) as s:
-        assert storage.current(db_url) == "0006"
+        assert storage.current(db_url) == "0007"
         assert s.get_session(sid, owner=OPERATOR)["title"] == "before owners"
         assert s.list_sessions(owner="o" * 43) == [] and [x["id"] for x in s.list_sessions(owner=OPERATOR)] == [sid]
     assert schema_diff(db_url) == []
@@ -101,7 +101,7 @@ def test_downgrade(db_url):
     engine.dispose()
     assert storage.downgrade(db_url, "base") is None
     assert tables(db_url) == set()
-    assert storage.upgrade(db_url) == "0006" and schema_diff(db_url) == []
+    assert storage.upgrade(db_url) == "0007" and schema_diff(db_url) == []
 
 
 def test_concurrent_upgrades_take_turns(db_url):
@@ -120,7 +120,7 @@ def test_concurrent_upgrades_take_turns(db_url):
         t.start()
     for t in threads:
         t.join()
-    assert errors == [] and done == ["0006"] * 4
+    assert errors == [] and done == ["0007"] * 4
     assert schema_diff(db_url) == []
 
 
