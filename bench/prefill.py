@@ -1,10 +1,13 @@
 """Long prompts: time to first token and prompt tokens/s at 512, 2k and 8k tokens, ours vs transformers.
 
-    python -m laneplay.bench.prefill [--lengths 512,2048,8190] [--rounds 2] [--dtypes float32,int4] [--no-hf]
+    python -m laneplay.bench.prefill [--lengths 512,2048,8190] [--rounds 2] [--dtypes float32,int4]
+        [--kernels vnni,amx] [--no-hf]
 
 Same weights (the embedded default model; ours in float32 and on the CPU's default int4 path, whose
 long prompt chunks run as float GEMMs on the unpacked weights) and identical prompt ids for every
-engine; each run produces exactly one token, so TTFT is the prefill. Ours prefills in chunks (`--chunk`, the
+engine; each run produces exactly one token, so TTFT is the prefill. `--kernels` times the low-bit paths
+on each named CPU kernel in turn (each with its own float-GEMM threshold), e.g. the VNNI kernel against
+AMX tiles for prompt chunks. Ours prefills in chunks (`--chunk`, the
 engine's default, `PREFILL_CHUNK`) and never holds more than chunk x length attention scores; transformers runs
 its SDPA attention over the whole prompt at once. Runs alternate between the engines so drift hits all;
 the ratio is the result. Peak RSS growth during each run is reported as well.
@@ -60,9 +63,18 @@ def _rss() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def ours(eng, ids) -> dict:
+def ours(eng, ids, kernel: str | None = None) -> dict:
     from laneplay.engine import SamplingParams
+    from laneplay.kernels import lowbit
 
+    if kernel:
+        before, gemm = lowbit.kernel_name(), lowbit.gemm_min_rows(lowbit.GEMM_MIN_ROWS[kernel])
+        lowbit.use_kernel(kernel)
+        try:
+            return ours(eng, ids)
+        finally:
+            lowbit.use_kernel(before)
+            lowbit.gemm_min_rows(gemm)
     with PeakRSS() as mem:
         t0 = time.perf_counter()
         for ev in eng.generate(ids, SamplingParams(max_tokens=1, temperature=0.0)):
@@ -87,16 +99,28 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--chunk", type=int, default=PREFILL_CHUNK, help="our prefill chunk (tokens)")
     p.add_argument("--dtypes", default="float32,int4", help="our engine's weight paths to time")
+    p.add_argument("--kernels", default="", help="low-bit CPU kernels to time the low-bit paths on, in turn "
+                   "(default: the one chosen at import)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--allow-noisy", action="store_true", help="report on a busy machine (numbers flagged noisy)")
     p.add_argument("--out", default=None, help="folder for the JSON (default: bench/results)")
     args = p.parse_args(argv)
     quiet = [check_quiet(args.allow_noisy, "before")]
-    engines = {f"ours ({d})": default_engine(d, prefill_chunk=args.chunk)
-               for d in args.dtypes.split(",") if d}
+    from laneplay.engine.runtime import LOWBIT
+    from laneplay.kernels import lowbit
+
+    kernels = [k for k in args.kernels.split(",") if k]
+    unknown = [k for k in kernels if not lowbit.available() or k not in lowbit.kernels()]
+    if unknown:
+        p.error(f"--kernels: this CPU cannot run {', '.join(unknown)}")
+    engines = {}  # name -> (engine, kernel)
+    for d in (d for d in args.dtypes.split(",") if d):
+        e = default_engine(d, prefill_chunk=args.chunk)
+        for k in (kernels if d in LOWBIT and kernels else [None]):
+            engines[f"ours ({d}{', ' + k if k else ''})"] = (e, k)
     if not engines:
         p.error("--dtypes names no weight path")
-    eng = next(iter(engines.values()))
+    eng = next(iter(engines.values()))[0]
     lengths = [int(x) for x in args.lengths.split(",")]
     context = eng.cfg.max_position_embeddings
     lengths = [min(n, context - 1) for n in lengths]
@@ -104,8 +128,8 @@ def main(argv=None) -> int:
     if not args.no_hf:
         hf = hf_peer()
     warm = prompt_ids(eng.tokenizer, 64)
-    for e in engines.values():
-        ours(e, warm)
+    for e, k in engines.values():
+        ours(e, warm, k)
     if hf is not None:
         theirs(hf, warm)
     rows, raw = [], {}
@@ -113,8 +137,8 @@ def main(argv=None) -> int:
         ids = prompt_ids(eng.tokenizer, n)
         runs = {**{name: [] for name in engines}, "transformers": []}
         for _ in range(args.rounds):
-            for name, e in engines.items():
-                runs[name].append(ours(e, ids))
+            for name, (e, k) in engines.items():
+                runs[name].append(ours(e, ids, k))
             if hf is not None:
                 runs["transformers"].append(theirs(hf, ids))
         raw[n] = runs
@@ -137,7 +161,8 @@ def main(argv=None) -> int:
                        ("vs_transformers", "speed vs transformers", ".2f"), ("same_token", "same first token", "s")])
     quiet.append(check_quiet(True, "after"))
     path = write_json("prefill-cpu", {"schema": 2, "noisy": not all(q["quiet"] for q in quiet), "quiet": quiet,
-                                      "chunk": args.chunk, "rows": rows, "raw": {str(k): v for k, v in raw.items()}},
+                                      "chunk": args.chunk, "kernel": lowbit.kernel_name() if lowbit.available() else None,
+                                      "rows": rows, "raw": {str(k): v for k, v in raw.items()}},
                       out=args.out)
     print(f"\nwrote {path}")
     return 0

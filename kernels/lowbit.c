@@ -24,6 +24,7 @@
 #include <stdatomic.h>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#include <cpuid.h>
 #define LP_X86 1
 #endif
 
@@ -472,7 +473,164 @@ VNNI_FN static void tile16_vnni(int fmt, int64_t nb, int64_t row_bytes, const in
 #undef TILE_TT
 #undef TILE_R
 }
+
+/* ---- AMX: 16 weight rows with up to 16 activation rows per tile operation -------------------------
+ * Sapphire Rapids and later multiply int8 tiles: C[t][r] += sum_k A[t][k] B[k/4][4r + k%4], A the
+ * activation codes (T rows of one block's 32 values, read in place: natural order), B one block of
+ * 16 weight rows, unpacked to bytes and laid out four values of a row per 32-bit column (its packed
+ * rows transposed in registers). TDPBSUD (q4: codes 0..15) or TDPBSSD (q8) gives each (t, r) its
+ * block's exact integer sum, once for the codes and, with 16-bit activations, once for their rests
+ * (254 sum(w q) + sum(w q2), formed in float with one rounding, none for q4's sums). The
+ * float part is its own order: per output, one chain over the blocks, acc = fma(S_b, d_b x_b, acc)
+ * (the scales multiplied first, as in the other kernels), and for q4 a second chain for the minimum,
+ * macc = fma(m_b, s_b, macc); the output is acc + macc. A row's result is the same alone or with any
+ * other rows: each (t, r) is computed on its own, whatever T is. */
+#define AMX_FN __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,amx-tile,amx-int8")))
+#define AMX_ROWS 16
+
+typedef struct {
+    uint8_t palette, start;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg_t;
+
+/* tmm0, tmm1: C for the codes and the rests (T x 16 int32); tmm2, tmm3: A (T x 32 bytes); tmm4: B */
+AMX_FN static void amx_config(int T) {
+    tilecfg_t c __attribute__((aligned(64)));
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    c.rows[0] = c.rows[1] = (uint8_t)T;
+    c.colsb[0] = c.colsb[1] = 64;
+    c.rows[2] = c.rows[3] = (uint8_t)T;
+    c.colsb[2] = c.colsb[3] = QK;
+    c.rows[4] = QK / 4;
+    c.colsb[4] = 64;
+    __asm__ volatile("" : : "r"(&c) : "memory");  /* GCC 12 drops the stores before ldtilecfg otherwise */
+    _tile_loadconfig(&c);
+}
+
+/* Four 16-byte pieces of R <= 16 rows (row r at p + r * stride; rows past R read as zeros), transposed:
+ * out[k] holds 32-bit piece k of rows 0..15. */
+AMX_FN static inline void amx_gather4(const int8_t *p, int64_t stride, int R, __m512i out[4]) {
+    static const int8_t zero[16] __attribute__((aligned(16))) = {0};
+    __m512i z[4];
+    for (int q = 0; q < 4; q++) {
+        const int8_t *r0 = q < R ? p + q * stride : zero, *r1 = q + 4 < R ? p + (q + 4) * stride : zero;
+        const int8_t *r2 = q + 8 < R ? p + (q + 8) * stride : zero, *r3 = q + 12 < R ? p + (q + 12) * stride : zero;
+        __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)r0));
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)r1), 1);
+        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)r2), 2);
+        z[q] = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)r3), 3);
+    }
+    __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+    out[0] = _mm512_unpacklo_epi64(t0, t2);
+    out[1] = _mm512_unpackhi_epi64(t0, t2);
+    out[2] = _mm512_unpacklo_epi64(t1, t3);
+    out[3] = _mm512_unpackhi_epi64(t1, t3);
+}
+
+/* 16 rows' fp16 scales of blocks b and b + 1 (b even: both inside the row's SPAD(nb) scales) */
+AMX_FN static inline void amx_scales(const uint16_t *s, int64_t ns, int R, int64_t b, __m512 *even, __m512 *odd) {
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32((int)(ns * 2)));
+    __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), (__mmask16)((1u << R) - 1), idx, s + b, 1);
+    *even = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
+    *odd = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
+}
+
+/* R <= 16 weight rows (n0's, at qs, wd, wm) with `chunks` x T activation rows, T <= 16 (codes xq, rests
+ * xq2 or NULL, row t at + t * xstride, natural order; scales and sums at xd, xs + t * sstride), each block
+ * of the weights unpacked once for all of them: y[t * ystride + r] set (or added to, acc_y). The tile
+ * configuration for T must be loaded (amx_config); `sums` holds 2 x 16 floats per activation row. */
+AMX_FN static void tile_amx(int fmt, int64_t nb, int64_t row_bytes, const int8_t *qs, const uint16_t *wd,
+                            const uint16_t *wm, int R, int T, int chunks, const int8_t *xq, const int8_t *xq2,
+                            int64_t xstride, const float *xd, const float *xs, int64_t sstride, float *y,
+                            int64_t ystride, int acc_y, float *sums) {
+    const int64_t ns = SPAD(nb);
+    const int rows = T * chunks;
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    int8_t bt[QK / 4][64] __attribute__((aligned(64)));
+    int32_t c1[AMX_ROWS][AMX_ROWS] __attribute__((aligned(64))), c2[AMX_ROWS][AMX_ROWS] __attribute__((aligned(64)));
+    __m512 *acc = (__m512 *)sums, *macc = acc + rows, dv[2], mv[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int t = 0; t < rows; t++) acc[t] = macc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        if ((b & 1) == 0) {
+            amx_scales(wd, ns, R, b, &dv[0], &dv[1]);
+            if (fmt == FMT_Q4) amx_scales(wm, ns, R, b, &mv[0], &mv[1]);
+        }
+        __m512i p[4];
+        if (fmt == FMT_Q4) {  /* byte j: value j (low nibble) and j + 16 (high) */
+            amx_gather4(qs + b * (QK / 2), row_bytes, R, p);
+            for (int k = 0; k < 4; k++) {
+                _mm512_store_si512((void *)bt[k], _mm512_and_si512(p[k], low4));
+                _mm512_store_si512((void *)bt[k + 4], _mm512_and_si512(_mm512_srli_epi16(p[k], 4), low4));
+            }
+        } else {
+            for (int h = 0; h < 2; h++) {
+                amx_gather4(qs + b * QK + 16 * h, row_bytes, R, p);
+                for (int k = 0; k < 4; k++) _mm512_store_si512((void *)bt[4 * h + k], p[k]);
+            }
+        }
+        _tile_loadd(4, bt, 64);
+        const __m512 d = dv[b & 1], m = mv[b & 1], k254 = _mm512_set1_ps(254.0f);
+        for (int c = 0; c < chunks; c++) {
+            const int64_t t0 = (int64_t)c * T;
+            _tile_zero(0);
+            _tile_loadd(2, xq + t0 * xstride + b * QK, xstride);
+            if (fmt == FMT_Q4) _tile_dpbsud(0, 2, 4); else _tile_dpbssd(0, 2, 4);
+            _tile_stored(0, c1, 64);
+            if (xq2) {
+                _tile_zero(1);
+                _tile_loadd(3, xq2 + t0 * xstride + b * QK, xstride);
+                if (fmt == FMT_Q4) _tile_dpbsud(1, 3, 4); else _tile_dpbssd(1, 3, 4);
+                _tile_stored(1, c2, 64);
+            }
+            for (int t = 0; t < T; t++) {
+                const int64_t row = t0 + t;
+                __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)c1[t]));
+                if (xq2) s = _mm512_fmadd_ps(s, k254, _mm512_cvtepi32_ps(_mm512_load_si512((const void *)c2[t])));
+                acc[row] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(xd[row * sstride + b])), acc[row]);
+                if (fmt == FMT_Q4) macc[row] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[row * sstride + b]), macc[row]);
+            }
+        }
+    }
+    const __mmask16 keep = (__mmask16)((1u << R) - 1);
+    for (int t = 0; t < rows; t++) {
+        __m512 out = fmt == FMT_Q4 ? _mm512_add_ps(acc[t], macc[t]) : acc[t];
+        if (acc_y) out = _mm512_add_ps(_mm512_maskz_loadu_ps(keep, y + t * ystride), out);
+        _mm512_mask_storeu_ps(y + t * ystride, keep, out);
+    }
+}
+
+AMX_FN static void amx_release(void) { _tile_release(); }
+
+#include <sys/syscall.h>
+#include <unistd.h>
+/* The CPU has AMX-TILE and AMX-INT8 (cpuid 7.0 EDX bits 24, 25) besides the AVX-512 the epilogue uses, and
+ * the kernel lets this process use the tile data (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16+). */
+static int has_vnni(void);
+static int has_amx(void) {
+    static int known = -1;
+    if (known >= 0) return known;
+    unsigned a, b, c, d;
+    known = 0;
+    if (__get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 25 & 1) && has_vnni()) {
+#ifdef SYS_arch_prctl
+        known = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
 #endif
+    }
+    return known;
+}
+static int USE_AMX = 0;
+/* Products of this many rows per lane or more run on the tiles (prompt chunks); fewer, the VNNI kernel.
+ * Above every decode step's and verify's rows (engine.batch.STEP_ROWS = 16), whose results therefore
+ * never depend on the tiles' float order. */
+#define AMX_MIN_ROWS 17
+#endif
+
+
 
 typedef void (*dot_fn)(int, int64_t, int64_t, const int8_t *, const uint16_t *, const uint16_t *, int,
                        const int8_t *, const int8_t *, const float *, const float *, float *);
@@ -658,27 +816,37 @@ typedef struct {
     int8_t *xq, *xq2;
     float *xd, *xs, *tmp;
     int16_t *x16;  /* 16-bit activations, widened for TILE16 */
+    float *sums;   /* the tiles' sums, 2 x 16 x M floats per thread (amx_sum_bytes) */
 } act_t;
 
 static int act_hi(void) { return ACT_BITS == 16; }
+
+/* The tiles' per-thread sums (2 x 16 floats per row: codes and q4's minimum) when a product runs on them */
+static size_t amx_sum_bytes(int64_t M, int nthreads) {
+#ifdef LP_X86
+    if (USE_AMX && M >= AMX_MIN_ROWS) return sizeof(float) * 2 * AMX_ROWS * (size_t)(M * nthreads);
+#endif
+    return 0;
+}
 
 static size_t act_bytes(const packed_t *w, int64_t M, int pre, int nthreads, size_t *q_bytes) {
     int64_t rows = w->L * M, ns = SPAD(w->Kp / QK);
     size_t q = (size_t)(rows * w->Kp + 63) / 64 * 64, s = 2 * sizeof(float) * (size_t)(rows * ns);
     size_t t = pre != PRE_NONE ? sizeof(float) * (size_t)(w->K * nthreads) : 0;
     if (q_bytes) *q_bytes = q;
-    return ((1 + act_hi()) * q + s + t + 63) / 64 * 64 + (act_hi() ? 2 * q : 0);
+    return ((1 + act_hi()) * q + s + t + 63) / 64 * 64 + (act_hi() ? 2 * q : 0) + amx_sum_bytes(M, nthreads);
 }
 
 static act_t act_at(int8_t *base, const packed_t *w, int64_t M, int pre, int nthreads) {
     size_t q;
-    act_bytes(w, M, pre, nthreads, &q);
+    size_t all = act_bytes(w, M, pre, nthreads, &q), sums = amx_sum_bytes(M, nthreads);
     int hi = act_hi();
     int64_t rows = w->L * M, ns = SPAD(w->Kp / QK);
-    act_t a = {base, hi ? base + q : NULL, (float *)(base + (1 + hi) * q), NULL, NULL, NULL};
+    act_t a = {base, hi ? base + q : NULL, (float *)(base + (1 + hi) * q), NULL, NULL, NULL, NULL};
     a.xs = a.xd + rows * ns;
     a.tmp = a.xs + rows * ns;
-    if (hi) a.x16 = (int16_t *)(base + (act_bytes(w, M, pre, nthreads, NULL) - 2 * q));
+    if (hi) a.x16 = (int16_t *)(base + (all - sums - 2 * q));
+    if (sums) a.sums = (float *)(base + (all - sums));
     return a;
 }
 
@@ -713,7 +881,12 @@ static void linear_team(const packed_t *w, int64_t M, const float *x, float *y, 
     const int8_t *qs = w->qs;
     const uint16_t *wd = w->d, *wm = w->m;
     int64_t row_bytes = fmt == FMT_Q8 ? Kp : Kp / 2, rows = L * M, xstride = pre == PRE_SWIGLU ? 2 * K : K;
-    int paired = fmt == FMT_Q4 && DOT != dot_generic, hi = act_hi(), wide16 = hi && TILE16;
+#ifdef LP_X86
+    const int amx = USE_AMX && M >= AMX_MIN_ROWS;
+#else
+    const int amx = 0;
+#endif
+    int paired = fmt == FMT_Q4 && DOT != dot_generic && !amx, hi = act_hi(), wide16 = hi && TILE16 && !amx;
     int nw = linear_wide(w, M) ? nth : 1;  /* the threads that work; the others only meet them */
     int64_t lo, up;
     if (tid < nw) {
@@ -727,7 +900,32 @@ static void linear_team(const packed_t *w, int64_t M, const float *x, float *y, 
         }
     }
     team_sync(team, nth);
-    if (tid < nw) {
+#ifdef LP_X86
+    if (amx && tid < nw) {  /* 16 weight rows at a time with the tokens in chunks of 16, then the rest */
+        share((N + AMX_ROWS - 1) / AMX_ROWS, tid, nw, &lo, &up);
+        float *sums = a->sums + 2 * AMX_ROWS * M * tid;
+        for (int pass = 0; pass < 2 && lo < up; pass++) {
+            int T = pass == 0 ? AMX_ROWS : (int)(M % AMX_ROWS), chunks = pass == 0 ? (int)(M / AMX_ROWS) : 1;
+            int64_t t0 = pass == 0 ? 0 : M - M % AMX_ROWS;
+            if (T == 0 || chunks == 0) continue;
+            amx_config(T);
+            for (int64_t l = 0; l < L; l++) {
+                const int8_t *wq = qs + l * N * row_bytes;
+                const uint16_t *ld = wd + l * N * ns, *lm = fmt == FMT_Q4 ? wm + l * N * ns : NULL;
+                int64_t row = l * M + t0;
+                for (int64_t gi = lo; gi < up; gi++) {
+                    int64_t n = gi * AMX_ROWS;
+                    int R = (int)(N - n < AMX_ROWS ? N - n : AMX_ROWS);
+                    tile_amx(fmt, nb, row_bytes, wq + n * row_bytes, ld + n * ns, lm ? lm + n * ns : NULL, R, T, chunks,
+                             a->xq + row * Kp, hi ? a->xq2 + row * Kp : NULL, Kp, a->xd + row * ns, a->xs + row * ns,
+                             ns, y + row * N + n, N, acc, sums);
+                }
+            }
+        }
+        amx_release();
+    }
+#endif
+    if (!amx && tid < nw) {
         /* Tokens are taken in tiles so that a tile's quantized rows stay in cache while the packed
          * weights stream past them once per tile. */
         const int64_t tile = 64;
@@ -1396,6 +1594,14 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 
 static PyObject *py_kernel(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(KERNEL); }
 
+/* tile_min_rows(): from how many rows per lane a product runs on the AMX tiles (0: never, this kernel) */
+static PyObject *py_tile_min_rows(PyObject *self, PyObject *noargs) {
+#ifdef LP_X86
+    if (USE_AMX) return PyLong_FromLong(AMX_MIN_ROWS);
+#endif
+    return PyLong_FromLong(0);
+}
+
 #ifdef LP_X86
 static int has_vnni(void);
 #endif
@@ -1429,6 +1635,7 @@ static PyObject *py_kernels(PyObject *self, PyObject *noargs) {
 #ifdef LP_X86
     __builtin_cpu_init();
     int avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    if (has_amx()) return Py_BuildValue("(ssss)", "generic", "avx2", "vnni", "amx");
     if (has_vnni()) return Py_BuildValue("(sss)", "generic", "avx2", "vnni");
     if (avx2) return Py_BuildValue("(ss)", "generic", "avx2");
 #endif
@@ -1475,6 +1682,9 @@ static int has_vnni(void) {  /* __builtin_cpu_supports also checks that the OS k
 static PyObject *py_use(PyObject *self, PyObject *arg) {
     const char *name = PyUnicode_AsUTF8(arg);
     if (!name) return NULL;
+#ifdef LP_X86
+    USE_AMX = 0;
+#endif
     if (strcmp(name, "generic") == 0) { DOT = dot_generic; TILE16 = NULL; KERNEL = "generic"; Py_RETURN_NONE; }
 #ifdef LP_X86
     if (strcmp(name, "avx2") == 0) {
@@ -1491,6 +1701,13 @@ static PyObject *py_use(PyObject *self, PyObject *arg) {
             return NULL;
         }
         DOT = dot_avx2; TILE16 = tile16_vnni; KERNEL = "vnni"; Py_RETURN_NONE;
+    }
+    if (strcmp(name, "amx") == 0) {
+        if (!has_amx()) {
+            PyErr_SetString(PyExc_RuntimeError, "this CPU (or kernel) offers no AMX-INT8 tiles with AVX-512");
+            return NULL;
+        }
+        DOT = dot_avx2; TILE16 = tile16_vnni; USE_AMX = 1; KERNEL = "amx"; Py_RETURN_NONE;
     }
 #endif
     PyErr_Format(PyExc_ValueError, "unknown or unavailable kernel %s", name);
@@ -1512,7 +1729,8 @@ static PyMethodDef METHODS[] = {
     {"quantize", (PyCFunction)(void (*)(void))py_quantize, METH_FASTCALL,
      "quantize(fast, K, Kp, paired, x, q, q2, d, s)"},
     {"kernels", py_kernels, METH_NOARGS, "kernels(): the kernels this CPU can run"},
-    {"use", py_use, METH_O, "use('vnni' | 'avx2' | 'generic')"},
+    {"use", py_use, METH_O, "use('amx' | 'vnni' | 'avx2' | 'generic')"},
+    {"tile_min_rows", py_tile_min_rows, METH_NOARGS, "tile_min_rows() -> rows from which products run on AMX tiles (0: none)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1528,6 +1746,10 @@ PyMODINIT_FUNC PyInit__lowbit(void) {
     if (has_vnni()) {
         TILE16 = tile16_vnni;
         KERNEL = "vnni";
+    }
+    if (has_amx()) {
+        USE_AMX = 1;
+        KERNEL = "amx";
     }
 #endif
     return PyModule_Create(&MODULE);

@@ -25,8 +25,11 @@ BLOCK = 32
 # Below it the integer kernels, with 16-bit activations, are faster: measured on the default model, 2
 # threads of a Sapphire Rapids host, VNNI kernel 131 ms against the GEMM's 150 at 55 rows; the AVX2
 # kernel, which sums the rest separately, breaks even at ~43 rows (127 ms against 132 at 41, 146
-# against 138 at 48). The default follows the kernel chosen at import; see `gemm_min_rows`.
-GEMM_MIN_ROWS = {"vnni": 56, "avx2": 44, "generic": 44}
+# against 138 at 48). With AMX tiles ('amx': products from `tile_min_rows` rows on) the integer path
+# stays ahead much longer: the default model's products per 128-row prompt chunk 64 ms against the
+# GEMM's 101 (256 rows: 136 against 166; 512: 286 against 291). The default follows the kernel chosen
+# at import; see `gemm_min_rows`.
+GEMM_MIN_ROWS = {"amx": 384, "vnni": 56, "avx2": 44, "generic": 44}
 
 try:  # torch first: the extension uses the OpenMP runtime torch has already loaded
     from laneplay.kernels import _lowbit
@@ -48,9 +51,10 @@ def require() -> None:
 
 
 def kernel_name() -> str:
-    """Which dot-product kernel runs: 'vnni' (AVX-512 VNNI: a batched step's rows share each pass over
-    the weights), 'avx2', or 'generic' (portable C). The import picks the best one this CPU has (cpuid);
-    'vnni' and 'avx2' give bit-identical results."""
+    """Which dot-product kernel runs: 'amx' ('vnni', with prompt chunks of `tile_min_rows` rows or more
+    on the AMX tiles), 'vnni' (AVX-512 VNNI: a batched step's rows share each pass over the weights),
+    'avx2', or 'generic' (portable C). The import picks the best one this CPU has (cpuid); 'vnni' and
+    'avx2' give bit-identical results, and so does 'amx' below `tile_min_rows`."""
     require()
     return _lowbit.kernel()
 
@@ -59,6 +63,14 @@ def kernels() -> tuple[str, ...]:
     """The kernels this CPU can run (the last is the one chosen at import)."""
     require()
     return _lowbit.kernels()
+
+
+def tile_min_rows() -> int:
+    """With the 'amx' kernel, products of this many rows per lane or more (prompt chunks) run on the AMX
+    tiles, in their own float order; fewer rows (every decode step and verify: at most
+    `engine.batch.STEP_ROWS`) run on the VNNI kernel, bit for bit. 0 with any other kernel."""
+    require()
+    return _lowbit.tile_min_rows()
 
 
 def use_kernel(name: str) -> None:

@@ -386,3 +386,40 @@ def test_the_vector_activation_quantizer_is_the_scalar_one_bit_for_bit(k, rest, 
             outs.append((q, q2, d, s))
         for a, b in zip(*outs):
             assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("m,n,k", [(17, 45, 200), (20, 16, 64), (33, 40, 576), (40, 7, 70), (48, 33, 1536)])
+def test_long_products_on_the_amx_tiles(bits, fmt, m, n, k):
+    """'amx': products of tile_min_rows rows or more run on the tiles (their own float order: within
+    rounding of the VNNI kernel, inside the activation bound), and a row's result there does not depend
+    on the other rows of the product; shorter products (decode steps, verifies) are the VNNI kernel's
+    bit for bit."""
+    if "amx" not in KERNELS:
+        pytest.skip("this CPU (or its kernel) offers no AMX tiles: the VNNI or AVX2 kernel runs")
+    torch.manual_seed(6)
+    p = lowbit.pack(torch.randn(2, n, k), fmt)
+    w = p.dequantize()
+    x, g, u = torch.randn(2, m, k) * 2, torch.rand(k) + 0.5, torch.randn(2, m, 2 * k)
+    before, gemm = lowbit.kernel_name(), lowbit.gemm_min_rows(10 ** 6)
+    out = {}
+    try:
+        for name in ("vnni", "amx"):
+            lowbit.use_kernel(name)
+            out[name] = (p.linear(x), p.linear(x, norm=g, eps=1e-5), p.linear(u, swiglu=True), p.linear(x[:, :16]))
+        assert lowbit.tile_min_rows() == 17 and m >= lowbit.tile_min_rows()
+        order = torch.randperm(m)
+        again = (p.linear(x[:, order]), p.linear(x[:, :17]), p.linear(x[:, m - 17:], norm=g, eps=1e-5))
+    finally:
+        lowbit.use_kernel(before)
+        lowbit.gemm_min_rows(gemm)
+    tiles, vnni = out["amx"], out["vnni"]
+    for a, b in zip(tiles[:3], vnni[:3]):
+        assert not torch.equal(a, b) or fmt == "int8" and k <= 64  # the tiles ran (tiny products may agree)
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()))  # float rounding, summed over blocks
+    assert torch.equal(tiles[3], vnni[3])  # 16 rows: the VNNI kernel
+    for i in range(2):
+        ref = x[i] @ w[i].T
+        assert ((tiles[0][i] - ref).abs() <= _act_error_bound(x[i], w[i], bits)).all()
+    assert torch.equal(again[0], tiles[0][:, order]) and torch.equal(again[1], tiles[0][:, :17])
+    assert torch.equal(again[2], tiles[1][:, m - 17:])
