@@ -247,6 +247,32 @@ def test_share_fork_and_revoke(server, owner, new_context):
     assert unknown.status == 404 and "This link does not exist or was revoked" in gone.inner_text("body")
 
 
+def test_a_shared_output_shows_the_request_it_answered(server, new_context):
+    """Two runs of one session with different instructions: the share page shows the last one above all
+    outputs, and the earlier output says what it was asked (folded under its heading)."""
+    ctx, _, page = open_playground(new_context, server)
+    first, second = "Write add(a, b) with type hints.", "Write add(a, b) with a docstring."
+    generate(page, instruction=first, max_tokens=12)
+    wait_state(page, ("done",))
+    generate(page, instruction=second, max_tokens=12)
+    page.wait_for_function("() => document.querySelector('#meter').dataset.state !== 'done'")
+    wait_state(page, ("done",))
+    page.click("#share")
+    page.wait_for_selector("#share-link")
+    link = page.get_attribute("#share-link", "href")
+    vctx, _ = new_context()
+    viewer = vctx.new_page()
+    assert viewer.goto(link).status == 200
+    assert viewer.inner_text("#instruction").strip() == second
+    asked = viewer.locator("details.lp-asked")
+    assert asked.count() == 1 and first not in viewer.inner_text("#instruction")
+    asked.locator("summary").click()
+    assert first in asked.inner_text() and "earlier request" in asked.inner_text()
+    screenshot(viewer, "share-page-earlier-request")
+    ctx.close()
+    vctx.close()
+
+
 def test_another_browser_never_sees_this_history(server, owner, new_context):
     ctx, _, page = open_playground(new_context, server)
     assert history_rows(page) == []
