@@ -350,43 +350,79 @@ AVX2_FN static void dot_avx2(int fmt, int64_t nb, int64_t row_bytes, const int8_
 /* ---- AVX-512 VNNI: several activation rows per pass over the weights ---------------------------
  * A batched decode step multiplies the same weights with a few activation rows (one per request).
  * Here a tile of R weight rows meets T activation rows. Each activation row comes as 16-bit values
- * x16 = 254 q + q2 (its int8 code and rounding rest, see quantize_act), laid out per 32 values as their
- * 16 even-indexed values then their 16 odd ones (widen16), and the weight codes are widened to int16
- * pairs to match, once per tile. VPMADDWD + VPDPWSSD then give each 32-bit lane the same 4 (q8) or 8
- * (q4) products the AVX2 kernel's lane sums, as one integer: 254 sum(w q) + sum(w q2) exactly (no
- * product or sum overflows: |w| <= 127, |x16| <= 32385). From there every float operation is the AVX2
- * kernel's, in its order, so a row's result is bit for bit what dot_avx2 gives it, alone or in a tile
- * of any size. Half the integer instructions of the AVX2 kernel per row; 256-bit vectors, EVEX-encoded
- * (32 registers). */
+ * x16 = 254 q + q2 (its int8 code and rounding rest, see quantize_act; q alone with 8-bit activations),
+ * laid out per 32 values as their 16 even-indexed values then their 16 odd ones (widen16), and the weight
+ * codes are widened to int16 pairs to match, once per tile. VPMADDWD + VPDPWSSD give each 32-bit lane 4
+ * (q8) or 8 (q4) products as one integer (no product or sum overflows: |w| <= 127, |x16| <= 32385); each
+ * block's lanes are then summed across, the R rows' sums side by side (two unpack-and-add rounds), into
+ * the block's exact integer sum per row: 254 sum(w q) + sum(w q2). The float part is the AMX tiles' (see
+ * there): per output one chain over the blocks, acc = fma(S_b, d_b x_b, acc), q4's minimum in a second,
+ * macc = fma(m_b, s_b, macc), and out = acc + macc; so a row's result is bit for bit the same alone, in
+ * a tile of any size, or on the tiles. Against the AVX2 kernel (its own order, float rounding apart) a
+ * row takes half the integer instructions and a quarter of the float ones; 256-bit vectors,
+ * EVEX-encoded (32 registers). */
 #define VNNI_FN __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512vnni")))
 #ifndef MAXT
 #define MAXT 4
 #endif
 
+VNNI_FN static inline __m256i sum4x2(__m256i i0, __m256i i1, __m256i i2, __m256i i3) {
+    /* per 128-bit half (one block): [sum of i0's four lanes, i1's, i2's, i3's] */
+    __m256i a = _mm256_add_epi32(_mm256_unpacklo_epi32(i0, i1), _mm256_unpackhi_epi32(i0, i1));
+    __m256i b = _mm256_add_epi32(_mm256_unpacklo_epi32(i2, i3), _mm256_unpackhi_epi32(i2, i3));
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b));
+}
+
+VNNI_FN static inline __m128i sum4x1(__m256i i0, __m256i i1, __m256i i2, __m256i i3) {
+    /* one block in eight lanes each: [sum of i0's eight lanes, i1's, i2's, i3's] */
+    __m256i h = sum4x2(i0, i1, i2, i3);
+    return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+/* 4 rows' fp16 scales of blocks g..g+7 as floats, [block][row] (rows past R: zero) */
+VNNI_FN static inline void scales_by_block(const uint16_t *s, int64_t ns, int R, int64_t g, float out[8][4]) {
+    __m256 r[4];
+    for (int i = 0; i < 4; i++)
+        r[i] = i < R ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i * ns + g))) : _mm256_setzero_ps();
+    __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    __m256 u[4] = {_mm256_shuffle_ps(t0, t2, 0x44), _mm256_shuffle_ps(t0, t2, 0xEE), _mm256_shuffle_ps(t1, t3, 0x44),
+                   _mm256_shuffle_ps(t1, t3, 0xEE)};
+    for (int j = 0; j < 4; j++) {  /* u[j]: block j (low half), block j + 4 (high half) */
+        _mm_storeu_ps(out[j], _mm256_castps256_ps128(u[j]));
+        _mm_storeu_ps(out[j + 4], _mm256_extractf128_ps(u[j], 1));
+    }
+}
+
 VNNI_FN static inline __attribute__((always_inline)) void
-tile16_t(const int fmt, const int R, const int T, int64_t nb, int64_t row_bytes, const int8_t *qs,
-         const uint16_t *wd, const uint16_t *wm, const int16_t *x16, int64_t xstride, const float *xd,
-         const float *xs, int64_t sstride, float *out) {
+tile16b_t(const int fmt, const int R, const int T, int64_t nb, int64_t row_bytes, const int8_t *qs,
+          const uint16_t *wd, const uint16_t *wm, const int16_t *x16, int64_t xstride, const float *xd,
+          const float *xs, int64_t sstride, float *out) {
     const __m256i nib2 = _mm256_set1_epi32(0x000F000F), byte2 = _mm256_set1_epi16(0x00FF), low4 = _mm256_set1_epi8(0x0F);
+    const __m256i zero = _mm256_setzero_si256();
     const int64_t ns = SPAD(nb);
-    __m256 acc[MAXT][MAXR];
-    for (int t = 0; t < T; t++)
-        for (int r = 0; r < R; r++) acc[t][r] = _mm256_setzero_ps();
+    __m128 acc[MAXT], macc[MAXT];
+    for (int t = 0; t < T; t++) acc[t] = macc[t] = _mm_setzero_ps();
     for (int64_t g = 0; g < nb; g += 8) {
         int n8 = nb - g < 8 ? (int)(nb - g) : 8;
-        float sc[MAXT][MAXR][8] __attribute__((aligned(32)));
-        for (int r = 0; r < R; r++) {
-            __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wd + r * ns + g)));
-            for (int t = 0; t < T; t++) _mm256_store_ps(sc[t][r], _mm256_mul_ps(dv, _mm256_loadu_ps(xd + t * sstride + g)));
-        }
+        float dT[8][4], mT[8][4];
+        scales_by_block(wd, ns, R, g, dT);
+        if (fmt == FMT_Q4) scales_by_block(wm, ns, R, g, mT);
+#define SC(t, j) _mm_mul_ps(_mm_loadu_ps(dT[j]), _mm_set1_ps(xd[(t) * sstride + g + (j)]))
+#define MIN(t, j)                                                                                                \
+    if (fmt == FMT_Q4) macc[t] = _mm_fmadd_ps(_mm_loadu_ps(mT[j]), _mm_set1_ps(xs[(t) * sstride + g + (j)]), macc[t])
         if (fmt == FMT_Q4) {  /* two blocks per step (activations in the paired order) */
             int j = 0;
             for (; j + 1 < n8; j += 2) {
                 int64_t b = g + j;
-                const __m256i idx = _mm256_setr_epi32(j, j, j, j, j + 1, j + 1, j + 1, j + 1);
+                __m256i is[MAXT][4];
                 if (PF && (j & 3) == 0)
                     for (int r = 0; r < R; r++) _mm_prefetch((const char *)(qs + (PFD * R + r) * row_bytes + b * (QK / 2)), _MM_HINT_T0);
-                for (int r = 0; r < R; r++) {
+                for (int r = 0; r < 4; r++) {
+                    if (r >= R) {
+                        for (int t = 0; t < T; t++) is[t][r] = zero;
+                        continue;
+                    }
                     __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + r * row_bytes + b * (QK / 2)));
                     __m256i w1 = _mm256_and_si256(raw, nib2), w2 = _mm256_and_si256(_mm256_srli_epi32(raw, 8), nib2);
                     __m256i w3 = _mm256_and_si256(_mm256_srli_epi32(raw, 4), nib2);
@@ -396,67 +432,85 @@ tile16_t(const int fmt, const int R, const int T, int64_t nb, int64_t row_bytes,
                         __m256i isum = _mm256_madd_epi16(w1, _mm256_loadu_si256(a));
                         isum = _mm256_dpwssd_epi32(isum, w2, _mm256_loadu_si256(a + 1));
                         isum = _mm256_dpwssd_epi32(isum, w3, _mm256_loadu_si256(a + 2));
-                        isum = _mm256_dpwssd_epi32(isum, w4, _mm256_loadu_si256(a + 3));
-                        __m256 scv = _mm256_permutevar8x32_ps(_mm256_load_ps(sc[t][r]), idx);
-                        acc[t][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), scv, acc[t][r]);
+                        is[t][r] = _mm256_dpwssd_epi32(isum, w4, _mm256_loadu_si256(a + 3));
                     }
+                }
+                for (int t = 0; t < T; t++) {
+                    __m256 f = _mm256_cvtepi32_ps(sum4x2(is[t][0], is[t][1], is[t][2], is[t][3]));
+                    acc[t] = _mm_fmadd_ps(_mm256_castps256_ps128(f), SC(t, j), acc[t]);
+                    MIN(t, j);
+                    acc[t] = _mm_fmadd_ps(_mm256_extractf128_ps(f, 1), SC(t, j + 1), acc[t]);
+                    MIN(t, j + 1);
                 }
             }
             if (j < n8) {  /* the row's last block, alone (natural order) */
                 int64_t b = g + j;
-                for (int r = 0; r < R; r++) {
+                __m256i is[MAXT][4];
+                for (int r = 0; r < 4; r++) {
+                    if (r >= R) {
+                        for (int t = 0; t < T; t++) is[t][r] = zero;
+                        continue;
+                    }
                     __m128i raw = _mm_loadu_si128((const __m128i *)(qs + r * row_bytes + b * (QK / 2)));
                     __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
                     __m256i w1 = _mm256_and_si256(w, byte2), w2 = _mm256_srli_epi16(w, 8);
                     for (int t = 0; t < T; t++) {
                         const __m256i *a = (const __m256i *)(x16 + t * xstride + b * QK);
-                        __m256i isum = _mm256_dpwssd_epi32(_mm256_madd_epi16(w1, _mm256_loadu_si256(a)), w2,
-                                                           _mm256_loadu_si256(a + 1));
-                        acc[t][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_broadcast_ss(&sc[t][r][j]), acc[t][r]);
+                        is[t][r] = _mm256_dpwssd_epi32(_mm256_madd_epi16(w1, _mm256_loadu_si256(a)), w2,
+                                                       _mm256_loadu_si256(a + 1));
                     }
+                }
+                for (int t = 0; t < T; t++) {
+                    __m128 f = _mm_cvtepi32_ps(sum4x1(is[t][0], is[t][1], is[t][2], is[t][3]));
+                    acc[t] = _mm_fmadd_ps(f, SC(t, j), acc[t]);
+                    MIN(t, j);
                 }
             }
             continue;
         }
         for (int j = 0; j < n8; j++) {  /* q8: the codes' even and odd bytes, sign-extended */
             int64_t b = g + j;
+            __m256i is[MAXT][4];
             if (PF && (j & 1) == 0)
                 for (int r = 0; r < R; r++) _mm_prefetch((const char *)(qs + (PFD * R + r) * row_bytes + b * QK), _MM_HINT_T0);
-            for (int r = 0; r < R; r++) {
+            for (int r = 0; r < 4; r++) {
+                if (r >= R) {
+                    for (int t = 0; t < T; t++) is[t][r] = zero;
+                    continue;
+                }
                 __m256i w = _mm256_loadu_si256((const __m256i *)(qs + r * row_bytes + b * QK));
                 __m256i we = _mm256_srai_epi16(_mm256_slli_epi16(w, 8), 8), wo = _mm256_srai_epi16(w, 8);
                 for (int t = 0; t < T; t++) {
                     const __m256i *a = (const __m256i *)(x16 + t * xstride + b * QK);
-                    __m256i isum = _mm256_dpwssd_epi32(_mm256_madd_epi16(we, _mm256_loadu_si256(a)), wo,
-                                                       _mm256_loadu_si256(a + 1));
-                    acc[t][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_broadcast_ss(&sc[t][r][j]), acc[t][r]);
+                    is[t][r] = _mm256_dpwssd_epi32(_mm256_madd_epi16(we, _mm256_loadu_si256(a)), wo,
+                                                   _mm256_loadu_si256(a + 1));
                 }
             }
+            for (int t = 0; t < T; t++) {
+                __m128 f = _mm_cvtepi32_ps(sum4x1(is[t][0], is[t][1], is[t][2], is[t][3]));
+                acc[t] = _mm_fmadd_ps(f, SC(t, j), acc[t]);
+            }
         }
+#undef SC
+#undef MIN
     }
-    for (int t = 0; t < T; t++)
-        for (int r = 0; r < R; r++) {
-            __m256 macc = _mm256_setzero_ps();  /* q4's minimum: its own pass, in the AVX2 kernel's order */
-            for (int64_t g = 0; fmt == FMT_Q4 && g < nb; g += 8)
-                macc = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wm + r * ns + g))),
-                                       _mm256_loadu_ps(xs + t * sstride + g), macc);
-            out[t * MAXR + r] = hsum8(acc[t][r]) + (fmt == FMT_Q4 ? hsum8(macc) : 0.0f);
-        }
+    for (int t = 0; t < T; t++) {
+        float o[4];
+        _mm_storeu_ps(o, fmt == FMT_Q4 ? _mm_add_ps(acc[t], macc[t]) : acc[t]);
+        for (int r = 0; r < R; r++) out[t * MAXR + r] = o[r];
+    }
 }
 
 /* out[t * MAXR + r]: weight row r (r < R) with activation row t (t < T) */
-VNNI_FN static void tile16_vnni(int fmt, int64_t nb, int64_t row_bytes, const int8_t *qs, const uint16_t *wd,
-                                const uint16_t *wm, int R, int T, const int16_t *x16, int64_t xstride, const float *xd,
-                                const float *xs, int64_t sstride, float *out) {
+VNNI_FN static void tile16b_vnni(int fmt, int64_t nb, int64_t row_bytes, const int8_t *qs, const uint16_t *wd,
+                                 const uint16_t *wm, int R, int T, const int16_t *x16, int64_t xstride,
+                                 const float *xd, const float *xs, int64_t sstride, float *out) {
 #define TILE_R(F, TT)                                                                                          \
     do {                                                                                                       \
-        if (R == MAXR) {                                                                                       \
-            tile16_t(F, MAXR, TT, nb, row_bytes, qs, wd, wm, x16, xstride, xd, xs, sstride, out);              \
-            return;                                                                                            \
-        }                                                                                                      \
-        for (int r = 0; r < R; r++)                                                                            \
-            tile16_t(F, 1, TT, nb, row_bytes, qs + r * row_bytes, wd + r * SPAD(nb),                           \
-                     F == FMT_Q4 ? wm + r * SPAD(nb) : NULL, x16, xstride, xd, xs, sstride, out + r);          \
+        if (R == MAXR) tile16b_t(F, MAXR, TT, nb, row_bytes, qs, wd, wm, x16, xstride, xd, xs, sstride, out);  \
+        else if (R == 3) tile16b_t(F, 3, TT, nb, row_bytes, qs, wd, wm, x16, xstride, xd, xs, sstride, out);   \
+        else if (R == 2) tile16b_t(F, 2, TT, nb, row_bytes, qs, wd, wm, x16, xstride, xd, xs, sstride, out);   \
+        else tile16b_t(F, 1, TT, nb, row_bytes, qs, wd, wm, x16, xstride, xd, xs, sstride, out);               \
         return;                                                                                                \
     } while (0)
 #define TILE_TT(F)                                                                                             \
@@ -624,10 +678,11 @@ static int has_amx(void) {
     return known;
 }
 static int USE_AMX = 0;
-/* Products of this many rows per lane or more run on the tiles (prompt chunks); fewer, the VNNI kernel.
- * Above every decode step's and verify's rows (engine.batch.STEP_ROWS = 16), whose results therefore
- * never depend on the tiles' float order. */
-#define AMX_MIN_ROWS 17
+/* Products of this many rows per lane or more run on the tiles; fewer, the VNNI kernel in the tiles' float
+ * order (tile16b_vnni), which gives every row bit for bit the same result: the threshold is speed alone
+ * (in a decode step of the default model the tiles win nothing below 16 rows; prompt chunks are where
+ * they pay). */
+static int AMX_MIN_ROWS = 17;
 #endif
 
 
@@ -638,8 +693,8 @@ static dot_fn DOT = dot_generic;
 static const char *KERNEL = "generic";
 
 /* A tile: R weight rows with T activation rows (T <= MAXT; rows t at xq + t * xstride, their scales at
- * xd + t * sstride), out[t * MAXR + r]: a row at a time with DOT, or (TILE16, the VNNI kernel, for
- * 16-bit activations) in one pass over the weights from the rows' widened values. */
+ * xd + t * sstride), out[t * MAXR + r]: a row at a time with DOT, or (TILE16, the VNNI kernel) in one
+ * pass over the weights from the rows' widened values. */
 #ifndef MAXT
 #define MAXT 4
 #endif
@@ -815,7 +870,7 @@ static packed_t packed_from(const int64_t *a) {  /* fmt, L, N, K, Kp, qs, d, m *
 typedef struct {
     int8_t *xq, *xq2;
     float *xd, *xs, *tmp;
-    int16_t *x16;  /* 16-bit activations, widened for TILE16 */
+    int16_t *x16;  /* activations widened for TILE16 */
     float *sums;   /* the tiles' sums, 2 x 16 x M floats per thread (amx_sum_bytes) */
 } act_t;
 
@@ -834,7 +889,7 @@ static size_t act_bytes(const packed_t *w, int64_t M, int pre, int nthreads, siz
     size_t q = (size_t)(rows * w->Kp + 63) / 64 * 64, s = 2 * sizeof(float) * (size_t)(rows * ns);
     size_t t = pre != PRE_NONE ? sizeof(float) * (size_t)(w->K * nthreads) : 0;
     if (q_bytes) *q_bytes = q;
-    return ((1 + act_hi()) * q + s + t + 63) / 64 * 64 + (act_hi() ? 2 * q : 0) + amx_sum_bytes(M, nthreads);
+    return ((1 + act_hi()) * q + s + t + 63) / 64 * 64 + 2 * q + amx_sum_bytes(M, nthreads);
 }
 
 static act_t act_at(int8_t *base, const packed_t *w, int64_t M, int pre, int nthreads) {
@@ -845,7 +900,7 @@ static act_t act_at(int8_t *base, const packed_t *w, int64_t M, int pre, int nth
     act_t a = {base, hi ? base + q : NULL, (float *)(base + (1 + hi) * q), NULL, NULL, NULL, NULL};
     a.xs = a.xd + rows * ns;
     a.tmp = a.xs + rows * ns;
-    if (hi) a.x16 = (int16_t *)(base + (all - sums - 2 * q));
+    a.x16 = (int16_t *)(base + (all - sums - 2 * q));
     if (sums) a.sums = (float *)(base + (all - sums));
     return a;
 }
@@ -856,13 +911,14 @@ static act_t act_at(int8_t *base, const packed_t *w, int64_t M, int pre, int nth
 #define QUANTIZE_FAST quantize_act
 #endif
 
-/* A row's 16-bit activations for TILE16: x16 = 254 q + q2 per value, each 32 values (in the order the
- * codes are stored: paired for q4) as their even-indexed values, then their odd ones. */
-static void widen16(const int8_t *q, const int8_t *q2, int64_t Kp, int16_t *x16) {
+/* A row's activations for TILE16: x16 = 254 q + q2 per value (q alone with 8-bit activations), each 32
+ * values (in the order the codes are stored: paired for q4) as their even-indexed values, then their odd
+ * ones. */
+static void widen16(const int8_t *q, const int8_t *q2, int64_t Kp, int16_t *x16) {  /* q2 NULL: q alone */
     for (int64_t c = 0; c < Kp; c += QK)
         for (int k = 0; k < QK / 2; k++) {
-            x16[c + k] = (int16_t)(254 * q[c + 2 * k] + q2[c + 2 * k]);
-            x16[c + QK / 2 + k] = (int16_t)(254 * q[c + 2 * k + 1] + q2[c + 2 * k + 1]);
+            x16[c + k] = (int16_t)(q2 ? 254 * q[c + 2 * k] + q2[c + 2 * k] : q[c + 2 * k]);
+            x16[c + QK / 2 + k] = (int16_t)(q2 ? 254 * q[c + 2 * k + 1] + q2[c + 2 * k + 1] : q[c + 2 * k + 1]);
         }
 }
 
@@ -886,7 +942,8 @@ static void linear_team(const packed_t *w, int64_t M, const float *x, float *y, 
 #else
     const int amx = 0;
 #endif
-    int paired = fmt == FMT_Q4 && DOT != dot_generic && !amx, hi = act_hi(), wide16 = hi && TILE16 && !amx;
+    /* the VNNI tiles take 8-bit activations too (q alone), in the same order as 16-bit ones */
+    int paired = fmt == FMT_Q4 && DOT != dot_generic && !amx, hi = act_hi(), wide16 = TILE16 && !amx;
     int nw = linear_wide(w, M) ? nth : 1;  /* the threads that work; the others only meet them */
     int64_t lo, up;
     if (tid < nw) {
@@ -896,7 +953,7 @@ static void linear_team(const packed_t *w, int64_t M, const float *x, float *y, 
             const float *row = pre_row(pre, x + r * xstride, K, g + (g_lanes ? (r / M) * K : 0), eps, mine);
             (DOT != dot_generic ? QUANTIZE_FAST : quantize_act)(row, K, Kp, a->xq + r * Kp, a->xd + r * ns,
                                                                 a->xs + r * ns, paired, hi ? a->xq2 + r * Kp : NULL);
-            if (wide16) widen16(a->xq + r * Kp, a->xq2 + r * Kp, Kp, a->x16 + r * Kp);
+            if (wide16) widen16(a->xq + r * Kp, hi ? a->xq2 + r * Kp : NULL, Kp, a->x16 + r * Kp);
         }
     }
     team_sync(team, nth);
@@ -1594,12 +1651,22 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 
 static PyObject *py_kernel(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(KERNEL); }
 
-/* tile_min_rows(): from how many rows per lane a product runs on the AMX tiles (0: never, this kernel) */
-static PyObject *py_tile_min_rows(PyObject *self, PyObject *noargs) {
+/* tile_min_rows(n): from how many rows per lane a product runs on the AMX tiles; n >= 1 sets it, 0 only
+ * reads. Returns the setting before (0: this kernel has no tiles). */
+static PyObject *py_tile_min_rows(PyObject *self, PyObject *arg) {
+    long n = PyLong_AsLong(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 0) {
+        PyErr_SetString(PyExc_ValueError, "tile_min_rows: n must be >= 1 (or 0 to read)");
+        return NULL;
+    }
 #ifdef LP_X86
-    if (USE_AMX) return PyLong_FromLong(AMX_MIN_ROWS);
-#endif
+    int before = USE_AMX ? AMX_MIN_ROWS : 0;
+    if (n) AMX_MIN_ROWS = (int)n;
+    return PyLong_FromLong(before);
+#else
     return PyLong_FromLong(0);
+#endif
 }
 
 #ifdef LP_X86
@@ -1700,14 +1767,14 @@ static PyObject *py_use(PyObject *self, PyObject *arg) {
             PyErr_SetString(PyExc_RuntimeError, "this CPU lacks AVX-512 VNNI (with AVX-512VL, AVX2, FMA, F16C)");
             return NULL;
         }
-        DOT = dot_avx2; TILE16 = tile16_vnni; KERNEL = "vnni"; Py_RETURN_NONE;
+        DOT = dot_avx2; TILE16 = tile16b_vnni; KERNEL = "vnni"; Py_RETURN_NONE;
     }
     if (strcmp(name, "amx") == 0) {
         if (!has_amx()) {
             PyErr_SetString(PyExc_RuntimeError, "this CPU (or kernel) offers no AMX-INT8 tiles with AVX-512");
             return NULL;
         }
-        DOT = dot_avx2; TILE16 = tile16_vnni; USE_AMX = 1; KERNEL = "amx"; Py_RETURN_NONE;
+        DOT = dot_avx2; TILE16 = tile16b_vnni; USE_AMX = 1; KERNEL = "amx"; Py_RETURN_NONE;
     }
 #endif
     PyErr_Format(PyExc_ValueError, "unknown or unavailable kernel %s", name);
@@ -1730,7 +1797,7 @@ static PyMethodDef METHODS[] = {
      "quantize(fast, K, Kp, paired, x, q, q2, d, s)"},
     {"kernels", py_kernels, METH_NOARGS, "kernels(): the kernels this CPU can run"},
     {"use", py_use, METH_O, "use('amx' | 'vnni' | 'avx2' | 'generic')"},
-    {"tile_min_rows", py_tile_min_rows, METH_NOARGS, "tile_min_rows() -> rows from which products run on AMX tiles (0: none)"},
+    {"tile_min_rows", py_tile_min_rows, METH_O, "tile_min_rows(n) -> rows from which products run on AMX tiles (0: none)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1744,7 +1811,7 @@ PyMODINIT_FUNC PyInit__lowbit(void) {
         KERNEL = "avx2";
     }
     if (has_vnni()) {
-        TILE16 = tile16_vnni;
+        TILE16 = tile16b_vnni;
         KERNEL = "vnni";
     }
     if (has_amx()) {

@@ -51,10 +51,10 @@ def require() -> None:
 
 
 def kernel_name() -> str:
-    """Which dot-product kernel runs: 'amx' ('vnni', with prompt chunks of `tile_min_rows` rows or more
-    on the AMX tiles), 'vnni' (AVX-512 VNNI: a batched step's rows share each pass over the weights),
-    'avx2', or 'generic' (portable C). The import picks the best one this CPU has (cpuid); 'vnni' and
-    'avx2' give bit-identical results, and so does 'amx' below `tile_min_rows`."""
+    """Which dot-product kernel runs: 'amx' ('vnni', with products of `tile_min_rows` rows or more on the
+    AMX tiles), 'vnni' (AVX-512 VNNI: a batched step's rows share each pass over the weights), 'avx2', or
+    'generic' (portable C). The import picks the best one this CPU has (cpuid). 'vnni' and 'amx' give
+    bit-identical results; 'avx2' and 'generic' each sum in their own float order."""
     require()
     return _lowbit.kernel()
 
@@ -65,12 +65,15 @@ def kernels() -> tuple[str, ...]:
     return _lowbit.kernels()
 
 
-def tile_min_rows() -> int:
-    """With the 'amx' kernel, products of this many rows per lane or more (prompt chunks) run on the AMX
-    tiles, in their own float order; fewer rows (every decode step and verify: at most
-    `engine.batch.STEP_ROWS`) run on the VNNI kernel, bit for bit. 0 with any other kernel."""
+def tile_min_rows(rows: int | None = None) -> int:
+    """With the 'amx' kernel, products of this many rows per lane or more (by default 17: prompt chunks)
+    run on the AMX tiles, fewer on the VNNI kernel; both give every row bit for bit the same result, so
+    this is a matter of speed only (in a decode step the tiles win nothing below 16 rows). Sets it when
+    given; returns the setting before (0 with any other kernel)."""
     require()
-    return _lowbit.tile_min_rows()
+    if rows is not None and int(rows) < 1:
+        raise ValueError("tile_min_rows must be at least 1")
+    return _lowbit.tile_min_rows(0 if rows is None else int(rows))
 
 
 def use_kernel(name: str) -> None:
