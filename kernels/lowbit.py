@@ -8,8 +8,9 @@ the normal install): activations are quantized per call to int8 blocks of 32, wi
 for each value's rounding rest (16-bit activations, see `activation_bits`), each block's integer dot
 products are scaled once, so a decode step streams the packed bytes and nothing else. Where the CPU
 has AVX-512 VNNI, the rows of a batched decode step (one per request) are taken in tiles that share
-each pass over the weights, bit for bit the AVX2 kernel's results. Long products
-(prompt chunks of `gemm_min_rows` tokens or more) unpack the weight in C and run one float GEMM instead.
+each pass over the weights, each row bit for bit what it gets alone; where it also has AMX, products of
+`tile_min_rows` rows or more (prompt chunks) run on the int8 tiles, bit for bit the VNNI kernel's
+results. Long products (`gemm_min_rows` tokens or more) unpack the weight in C and run one float GEMM.
 
 `PackedWeight.dequantize()` is the reference: the same packed codes unpacked in plain torch.
 """
