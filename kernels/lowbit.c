@@ -670,7 +670,8 @@ static int has_amx(void) {
     if (known >= 0) return known;
     unsigned a, b, c, d;
     known = 0;
-    if (__get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 25 & 1) && has_vnni()) {
+    if (__get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 25 & 1) && has_vnni()
+        && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq")) {
 #ifdef SYS_arch_prctl
         known = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
 #endif
