@@ -33,6 +33,7 @@ import torch
 
 from laneplay.api_client import ChoiceTiming, EngineClient, StreamTimer
 from laneplay.bench.common import check_quiet, print_table, write_json
+from laneplay.processes import in_own_thread
 
 PROMPTS = ["def quicksort(items):\n", "# Parse a CSV line into fields.\ndef parse(line):\n",
            "class LRUCache:\n    def __init__(self, capacity):\n", "def is_prime(n: int) -> bool:\n",
@@ -86,8 +87,6 @@ def long_prompt_joins(engine, prompt_tokens: int = 1500) -> dict:
     Speculation is off in these requests: a verify hands over several tokens at once, which is not the
     gap this measures."""
     from laneplay.bench.load import percentile
-
-    from laneplay.processes import in_own_thread
 
     long_ids = engine.tokenizer.encode(_code(200))[:prompt_tokens]
 
@@ -294,8 +293,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.dtp_only:
         return 0
     chunk = {"prefill_chunk": args.prefill_chunk} if args.prefill_chunk else {}
-    from laneplay.processes import in_own_thread
-
     # this thread runs no torch work itself: the served engine's thread is then the one OpenMP pool, as in
     # `laneplay engine` (processes.in_own_thread)
     engine = in_own_thread(load_engine, "smollm2-135m-instruct", dtype=args.dtype, **chunk)

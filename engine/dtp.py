@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import json
 import math
 import multiprocessing
 import os
@@ -34,7 +33,6 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -823,8 +821,3 @@ class DTPRunner:
         shutil.rmtree(getattr(self, "_sockdir", ""), ignore_errors=True)
         if not self._failure:
             self._failure = "the engine was closed"
-
-
-if __name__ == "__main__":  # a rank process started by hand: rank, front address, port, timeout, runtime JSON
-    rank_main(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), Runtime(**json.loads(sys.argv[5])),
-              bytes.fromhex(os.environ.pop("LANEPLAY_DTP_KEY")))

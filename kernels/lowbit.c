@@ -25,6 +25,8 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #define LP_X86 1
 #endif
 
@@ -402,7 +404,11 @@ tile16b_t(const int fmt, const int R, const int T, int64_t nb, int64_t row_bytes
     const __m256i zero = _mm256_setzero_si256();
     const int64_t ns = SPAD(nb);
     __m128 acc[MAXT], macc[MAXT];
-    for (int t = 0; t < T; t++) acc[t] = macc[t] = _mm_setzero_ps();
+    __m256i is[MAXT][4];  /* a step's integer lanes per activation and weight row (rows past R: zero) */
+    for (int t = 0; t < T; t++) {
+        acc[t] = macc[t] = _mm_setzero_ps();
+        for (int r = R; r < 4; r++) is[t][r] = zero;
+    }
     for (int64_t g = 0; g < nb; g += 8) {
         int n8 = nb - g < 8 ? (int)(nb - g) : 8;
         float dT[8][4], mT[8][4];
@@ -415,14 +421,9 @@ tile16b_t(const int fmt, const int R, const int T, int64_t nb, int64_t row_bytes
             int j = 0;
             for (; j + 1 < n8; j += 2) {
                 int64_t b = g + j;
-                __m256i is[MAXT][4];
                 if (PF && (j & 3) == 0)
                     for (int r = 0; r < R; r++) _mm_prefetch((const char *)(qs + (PFD * R + r) * row_bytes + b * (QK / 2)), _MM_HINT_T0);
-                for (int r = 0; r < 4; r++) {
-                    if (r >= R) {
-                        for (int t = 0; t < T; t++) is[t][r] = zero;
-                        continue;
-                    }
+                for (int r = 0; r < R; r++) {
                     __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + r * row_bytes + b * (QK / 2)));
                     __m256i w1 = _mm256_and_si256(raw, nib2), w2 = _mm256_and_si256(_mm256_srli_epi32(raw, 8), nib2);
                     __m256i w3 = _mm256_and_si256(_mm256_srli_epi32(raw, 4), nib2);
@@ -445,12 +446,7 @@ tile16b_t(const int fmt, const int R, const int T, int64_t nb, int64_t row_bytes
             }
             if (j < n8) {  /* the row's last block, alone (natural order) */
                 int64_t b = g + j;
-                __m256i is[MAXT][4];
-                for (int r = 0; r < 4; r++) {
-                    if (r >= R) {
-                        for (int t = 0; t < T; t++) is[t][r] = zero;
-                        continue;
-                    }
+                for (int r = 0; r < R; r++) {
                     __m128i raw = _mm_loadu_si128((const __m128i *)(qs + r * row_bytes + b * (QK / 2)));
                     __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), low4);
                     __m256i w1 = _mm256_and_si256(w, byte2), w2 = _mm256_srli_epi16(w, 8);
@@ -470,14 +466,9 @@ tile16b_t(const int fmt, const int R, const int T, int64_t nb, int64_t row_bytes
         }
         for (int j = 0; j < n8; j++) {  /* q8: the codes' even and odd bytes, sign-extended */
             int64_t b = g + j;
-            __m256i is[MAXT][4];
             if (PF && (j & 1) == 0)
                 for (int r = 0; r < R; r++) _mm_prefetch((const char *)(qs + (PFD * R + r) * row_bytes + b * QK), _MM_HINT_T0);
-            for (int r = 0; r < 4; r++) {
-                if (r >= R) {
-                    for (int t = 0; t < T; t++) is[t][r] = zero;
-                    continue;
-                }
+            for (int r = 0; r < R; r++) {
                 __m256i w = _mm256_loadu_si256((const __m256i *)(qs + r * row_bytes + b * QK));
                 __m256i we = _mm256_srai_epi16(_mm256_slli_epi16(w, 8), 8), wo = _mm256_srai_epi16(w, 8);
                 for (int t = 0; t < T; t++) {
@@ -535,10 +526,9 @@ VNNI_FN static void tile16b_vnni(int fmt, int64_t nb, int64_t row_bytes, const i
  * rows transposed in registers). TDPBSUD (q4: codes 0..15) or TDPBSSD (q8) gives each (t, r) its
  * block's exact integer sum, once for the codes and, with 16-bit activations, once for their rests
  * (254 sum(w q) + sum(w q2), formed in float with one rounding, none for q4's sums). The
- * float part is its own order: per output, one chain over the blocks, acc = fma(S_b, d_b x_b, acc)
- * (the scales multiplied first, as in the other kernels), and for q4 a second chain for the minimum,
- * macc = fma(m_b, s_b, macc); the output is acc + macc. A row's result is the same alone or with any
- * other rows: each (t, r) is computed on its own, whatever T is. */
+ * float part is the VNNI kernel's, in its order (see tile16b_t): per output, one chain over the blocks,
+ * acc = fma(S_b, d_b x_b, acc), for q4 a second chain for the minimum, macc = fma(m_b, s_b, macc), and
+ * out = acc + macc. A row's result is the same alone, with any other rows, or on the VNNI kernel. */
 #define AMX_FN __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,amx-tile,amx-int8")))
 #define AMX_ROWS 16
 
@@ -660,8 +650,6 @@ AMX_FN static void tile_amx(int fmt, int64_t nb, int64_t row_bytes, const int8_t
 
 AMX_FN static void amx_release(void) { _tile_release(); }
 
-#include <sys/syscall.h>
-#include <unistd.h>
 /* The CPU has AMX-TILE and AMX-INT8 (cpuid 7.0 EDX bits 24, 25) besides the AVX-512 the epilogue uses, and
  * the kernel lets this process use the tile data (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16+). */
 static int has_vnni(void);
@@ -685,8 +673,6 @@ static int USE_AMX = 0;
  * they pay). */
 static int AMX_MIN_ROWS = 17;
 #endif
-
-
 
 typedef void (*dot_fn)(int, int64_t, int64_t, const int8_t *, const uint16_t *, const uint16_t *, int,
                        const int8_t *, const int8_t *, const float *, const float *, float *);
@@ -1669,10 +1655,6 @@ static PyObject *py_tile_min_rows(PyObject *self, PyObject *arg) {
     return PyLong_FromLong(0);
 #endif
 }
-
-#ifdef LP_X86
-static int has_vnni(void);
-#endif
 
 /* quantize(fast, K, Kp, paired, x, q, q2, d, s): one row's activations as the products quantize them
  * (q2 = 0: no rounding rest), by the scalar loop (fast = 0) or the AVX2 one; the tests compare them. */
