@@ -32,6 +32,7 @@
 
 #define QK 32
 #define SPAD(nb) (((nb) + 7) / 8 * 8) /* scales per row */
+#define AMX_ROWS 16 /* weight rows per AMX tile (and per group of a weight's tile copy) */
 enum { FMT_Q8 = 0, FMT_Q4 = 1 };
 
 static inline float h2f(uint16_t h) { _Float16 v; memcpy(&v, &h, 2); return (float)v; }
@@ -522,15 +523,21 @@ VNNI_FN static void tile16b_vnni(int fmt, int64_t nb, int64_t row_bytes, const i
 /* ---- AMX: 16 weight rows with up to 16 activation rows per tile operation -------------------------
  * Sapphire Rapids and later multiply int8 tiles: C[t][r] += sum_k A[t][k] B[k/4][4r + k%4], A the
  * activation codes (T rows of one block's 32 values, read in place: natural order), B one block of
- * 16 weight rows, unpacked to bytes and laid out four values of a row per 32-bit column (its packed
- * rows transposed in registers). TDPBSUD (q4: codes 0..15) or TDPBSSD (q8) gives each (t, r) its
+ * 16 weight rows, four values of a row per 32-bit column. B comes from the weight's tile copy (tile_pack:
+ * per 16 rows and block, the packed bytes in B's column order, and the 16 rows' scales side by side), so
+ * a block is a few sequential loads (q4: split into nibbles on the way). TDPBSUD (q4: codes 0..15) or TDPBSSD (q8) gives each (t, r) its
  * block's exact integer sum, once for the codes and, with 16-bit activations, once for their rests
  * (254 sum(w q) + sum(w q2), formed in float with one rounding, none for q4's sums). The
  * float part is the VNNI kernel's, in its order (see tile16b_t): per output, one chain over the blocks,
  * acc = fma(S_b, d_b x_b, acc), for q4 a second chain for the minimum, macc = fma(m_b, s_b, macc), and
- * out = acc + macc. A row's result is the same alone, with any other rows, or on the VNNI kernel. */
+ * out = acc + macc. A row's result is the same alone, with any other rows, or on the VNNI kernel.
+ * What a tile operation costs is mostly waiting: the unpacked weights are stored, then loaded as a tile;
+ * the sums are stored from a tile, then loaded into vectors. So the blocks go AMX_NB at a time, each
+ * phase over all of them (unpack, tile products, float part), and a load never waits on the store just
+ * before it. With at most 8 activation rows (decode steps) the codes and their rests are one A tile of
+ * 2T rows (the rests are quantized right after the codes, act_at), so one product gives both sums.
+ * Products of AMX_MIN_ROWS rows or more run on the tiles where the weight has its tile copy. */
 #define AMX_FN __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,amx-tile,amx-int8")))
-#define AMX_ROWS 16
 
 typedef struct {
     uint8_t palette, start;
@@ -539,104 +546,87 @@ typedef struct {
     uint8_t rows[16];
 } tilecfg_t;
 
-/* tmm0, tmm1: C for the codes and the rests (T x 16 int32); tmm2, tmm3: A (T x 32 bytes); tmm4: B */
-AMX_FN static void amx_config(int T) {
+/* tmm0, tmm1: C for the codes and the rests (T x 16 int32); tmm2, tmm3: A (T x 32 bytes); tmm4: B.
+ * fused: tmm0 and tmm2 take 2T rows (codes, then rests) and tmm1, tmm3 are unused. */
+AMX_FN static void amx_config(int T, int fused) {
     tilecfg_t c __attribute__((aligned(64)));
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    c.rows[0] = c.rows[1] = (uint8_t)T;
-    c.colsb[0] = c.colsb[1] = 64;
-    c.rows[2] = c.rows[3] = (uint8_t)T;
-    c.colsb[2] = c.colsb[3] = QK;
+    c.rows[0] = c.rows[2] = (uint8_t)(fused ? 2 * T : T);
+    c.colsb[0] = 64;
+    c.colsb[2] = QK;
+    if (!fused) {
+        c.rows[1] = c.rows[3] = (uint8_t)T;
+        c.colsb[1] = 64;
+        c.colsb[3] = QK;
+    }
     c.rows[4] = QK / 4;
     c.colsb[4] = 64;
     __asm__ volatile("" : : "r"(&c) : "memory");  /* GCC 12 drops the stores before ldtilecfg otherwise */
     _tile_loadconfig(&c);
 }
 
-/* Four 16-byte pieces of R <= 16 rows (row r at p + r * stride; rows past R read as zeros), transposed:
- * out[k] holds 32-bit piece k of rows 0..15. */
-AMX_FN static inline void amx_gather4(const int8_t *p, int64_t stride, int R, __m512i out[4]) {
-    static const int8_t zero[16] __attribute__((aligned(16))) = {0};
-    __m512i z[4];
-    for (int q = 0; q < 4; q++) {
-        const int8_t *r0 = q < R ? p + q * stride : zero, *r1 = q + 4 < R ? p + (q + 4) * stride : zero;
-        const int8_t *r2 = q + 8 < R ? p + (q + 8) * stride : zero, *r3 = q + 12 < R ? p + (q + 12) * stride : zero;
-        __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)r0));
-        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)r1), 1);
-        v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)r2), 2);
-        z[q] = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)r3), 3);
-    }
-    __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
-    __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
-    out[0] = _mm512_unpacklo_epi64(t0, t2);
-    out[1] = _mm512_unpackhi_epi64(t0, t2);
-    out[2] = _mm512_unpacklo_epi64(t1, t3);
-    out[3] = _mm512_unpackhi_epi64(t1, t3);
-}
-
-/* 16 rows' fp16 scales of blocks b and b + 1 (b even: both inside the row's SPAD(nb) scales) */
-AMX_FN static inline void amx_scales(const uint16_t *s, int64_t ns, int R, int64_t b, __m512 *even, __m512 *odd) {
-    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                           _mm512_set1_epi32((int)(ns * 2)));
-    __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), (__mmask16)((1u << R) - 1), idx, s + b, 1);
-    *even = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(g));
-    *odd = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(g, 16)));
-}
-
-/* R <= 16 weight rows (n0's, at qs, wd, wm) with `chunks` x T activation rows, T <= 16 (codes xq, rests
- * xq2 or NULL, row t at + t * xstride, natural order; scales and sums at xd, xs + t * sstride), each block
- * of the weights unpacked once for all of them: y[t * ystride + r] set (or added to, acc_y). The tile
- * configuration for T must be loaded (amx_config); `sums` holds 2 x 16 floats per activation row. */
-AMX_FN static void tile_amx(int fmt, int64_t nb, int64_t row_bytes, const int8_t *qs, const uint16_t *wd,
-                            const uint16_t *wm, int R, int T, int chunks, const int8_t *xq, const int8_t *xq2,
-                            int64_t xstride, const float *xd, const float *xs, int64_t sstride, float *y,
-                            int64_t ystride, int acc_y, float *sums) {
-    const int64_t ns = SPAD(nb);
+/* 16 weight rows (the R <= 16 of them that exist give outputs; qt, dt, mt: their group in the tile copy)
+ * with `chunks` x T activation rows, T <= 16 (codes xq, rests xq2 or NULL, row t at + t * xstride, natural
+ * order; scales and sums at xd, xs + t * sstride), each block of the weights unpacked once for all of
+ * them: y[t * ystride + r] set (or added to, acc_y). The tile configuration for T must be loaded
+ * (amx_config); fused: the rests' rows follow the codes' (xq2 = xq + T xstride, 2T <= 16, chunks 1).
+ * `sums` holds 2 x 16 floats per activation row. */
+#define AMX_NB 6
+AMX_FN static void tile_amx(int fmt, int64_t nb, const int8_t *qt, const uint16_t *dt, const uint16_t *mt, int R,
+                            int T, int chunks, int fused, const int8_t *xq,
+                            const int8_t *xq2, int64_t xstride, const float *xd, const float *xs, int64_t sstride,
+                            float *y, int64_t ystride, int acc_y, float *sums) {
     const int rows = T * chunks;
     const __m512i low4 = _mm512_set1_epi8(0x0F);
-    int8_t bt[QK / 4][64] __attribute__((aligned(64)));
-    int32_t c1[AMX_ROWS][AMX_ROWS] __attribute__((aligned(64))), c2[AMX_ROWS][AMX_ROWS] __attribute__((aligned(64)));
-    __m512 *acc = (__m512 *)sums, *macc = acc + rows, dv[2], mv[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    const __m512 k254 = _mm512_set1_ps(254.0f);
+    int8_t bt[AMX_NB][QK / 4][64] __attribute__((aligned(64)));
+    int32_t cb[AMX_NB][2][AMX_ROWS][AMX_ROWS] __attribute__((aligned(64)));  /* [block][codes, rests][t][r] */
+    __m512 *acc = (__m512 *)sums, *macc = acc + rows, ds[AMX_NB], ms[AMX_NB];
     for (int t = 0; t < rows; t++) acc[t] = macc[t] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        if ((b & 1) == 0) {
-            amx_scales(wd, ns, R, b, &dv[0], &dv[1]);
-            if (fmt == FMT_Q4) amx_scales(wm, ns, R, b, &mv[0], &mv[1]);
-        }
-        __m512i p[4];
-        if (fmt == FMT_Q4) {  /* byte j: value j (low nibble) and j + 16 (high) */
-            amx_gather4(qs + b * (QK / 2), row_bytes, R, p);
-            for (int k = 0; k < 4; k++) {
-                _mm512_store_si512((void *)bt[k], _mm512_and_si512(p[k], low4));
-                _mm512_store_si512((void *)bt[k + 4], _mm512_and_si512(_mm512_srli_epi16(p[k], 4), low4));
-            }
-        } else {
-            for (int h = 0; h < 2; h++) {
-                amx_gather4(qs + b * QK + 16 * h, row_bytes, R, p);
-                for (int k = 0; k < 4; k++) _mm512_store_si512((void *)bt[4 * h + k], p[k]);
+    for (int64_t b0 = 0; b0 < nb; b0 += AMX_NB) {
+        const int nj = nb - b0 < AMX_NB ? (int)(nb - b0) : AMX_NB;
+        for (int j = 0; j < nj; j++) {  /* the blocks' scales; q4: the blocks split into nibbles */
+            const int64_t b = b0 + j;
+            ds[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dt + b * AMX_ROWS)));
+            if (fmt == FMT_Q4) {  /* byte j: value j (low nibble) and j + 16 (high) */
+                ms[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mt + b * AMX_ROWS)));
+                for (int k = 0; k < 4; k++) {
+                    __m512i p = _mm512_loadu_si512((const void *)(qt + (b * 4 + k) * 64));
+                    _mm512_store_si512((void *)bt[j][k], _mm512_and_si512(p, low4));
+                    _mm512_store_si512((void *)bt[j][k + 4], _mm512_and_si512(_mm512_srli_epi16(p, 4), low4));
+                }
             }
         }
-        _tile_loadd(4, bt, 64);
-        const __m512 d = dv[b & 1], m = mv[b & 1], k254 = _mm512_set1_ps(254.0f);
         for (int c = 0; c < chunks; c++) {
             const int64_t t0 = (int64_t)c * T;
-            _tile_zero(0);
-            _tile_loadd(2, xq + t0 * xstride + b * QK, xstride);
-            if (fmt == FMT_Q4) _tile_dpbsud(0, 2, 4); else _tile_dpbssd(0, 2, 4);
-            _tile_stored(0, c1, 64);
-            if (xq2) {
-                _tile_zero(1);
-                _tile_loadd(3, xq2 + t0 * xstride + b * QK, xstride);
-                if (fmt == FMT_Q4) _tile_dpbsud(1, 3, 4); else _tile_dpbssd(1, 3, 4);
-                _tile_stored(1, c2, 64);
+            for (int j = 0; j < nj; j++) {  /* the tile products */
+                const int64_t b = b0 + j;
+                _tile_loadd(4, fmt == FMT_Q4 ? (const void *)bt[j] : (const void *)(qt + b * QK / 4 * 64), 64);
+                _tile_zero(0);
+                _tile_loadd(2, xq + t0 * xstride + b * QK, xstride);
+                if (fmt == FMT_Q4) _tile_dpbsud(0, 2, 4); else _tile_dpbssd(0, 2, 4);
+                _tile_stored(0, cb[j][0], 64);
+                if (xq2 && !fused) {
+                    _tile_zero(1);
+                    _tile_loadd(3, xq2 + t0 * xstride + b * QK, xstride);
+                    if (fmt == FMT_Q4) _tile_dpbsud(1, 3, 4); else _tile_dpbssd(1, 3, 4);
+                    _tile_stored(1, cb[j][1], 64);
+                }
             }
-            for (int t = 0; t < T; t++) {
+            for (int t = 0; t < T; t++) {  /* the float part, row by row over the blocks */
                 const int64_t row = t0 + t;
-                __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)c1[t]));
-                if (xq2) s = _mm512_fmadd_ps(s, k254, _mm512_cvtepi32_ps(_mm512_load_si512((const void *)c2[t])));
-                acc[row] = _mm512_fmadd_ps(s, _mm512_mul_ps(d, _mm512_set1_ps(xd[row * sstride + b])), acc[row]);
-                if (fmt == FMT_Q4) macc[row] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[row * sstride + b]), macc[row]);
+                const float *xdr = xd + row * sstride + b0, *xsr = xs + row * sstride + b0;
+                __m512 a = acc[row], ma = macc[row];
+                for (int j = 0; j < nj; j++) {
+                    const int32_t *rest = fused ? cb[j][0][T + t] : cb[j][1][t];
+                    __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)cb[j][0][t]));
+                    if (xq2) s = _mm512_fmadd_ps(s, k254, _mm512_cvtepi32_ps(_mm512_load_si512((const void *)rest)));
+                    a = _mm512_fmadd_ps(s, _mm512_mul_ps(ds[j], _mm512_set1_ps(xdr[j])), a);
+                    if (fmt == FMT_Q4) ma = _mm512_fmadd_ps(ms[j], _mm512_set1_ps(xsr[j]), ma);
+                }
+                acc[row] = a;
+                macc[row] = ma;
             }
         }
     }
@@ -671,7 +661,7 @@ static int USE_AMX = 0;
  * order (tile16b_vnni), which gives every row bit for bit the same result: the threshold is speed alone
  * (in a decode step of the default model the tiles win nothing below 16 rows; prompt chunks are where
  * they pay). */
-static int AMX_MIN_ROWS = 17;
+static int AMX_MIN_ROWS = 4;
 #endif
 
 typedef void (*dot_fn)(int, int64_t, int64_t, const int8_t *, const uint16_t *, const uint16_t *, int,
@@ -730,6 +720,44 @@ static PyObject *py_pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < rows; n++)
         pack_row(fmt, src + n * K, K, Kp, qs + n * row_bytes, d + n * SPAD(nb), fmt == FMT_Q4 ? m + n * SPAD(nb) : NULL);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* The tile copy of a packed weight (the AMX tiles' B operands): rows in groups of 16 (per lane; rows past
+ * the lane's last are zeros), and per group and block, the block's bytes as B's columns read them: piece
+ * k (bytes 4k..4k+3 of each row's block; q4: 16 bytes a row, q8: 32) is 64 bytes, four of each of the 16
+ * rows; then the 16 rows' scales (and q4's minimums) of each block side by side. */
+static int64_t tile_bytes(int fmt) { return fmt == FMT_Q8 ? QK * AMX_ROWS : QK / 2 * AMX_ROWS; }
+
+/* tile_pack(fmt, L, N, Kp, qs, d, m, qt, dt, mt): qt int8 [L, G, nb, tile_bytes], dt/mt fp16 [L, G, nb, 16],
+ * G = ceil(N / 16) */
+static PyObject *py_tile_pack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t a[10];
+    if (args_i64(args, nargs, 10, a) < 0) return NULL;
+    int fmt = (int)a[0];
+    int64_t L = a[1], N = a[2], Kp = a[3], nb = Kp / QK, G = (N + AMX_ROWS - 1) / AMX_ROWS, tb = tile_bytes(fmt);
+    const int8_t *qs = (const int8_t *)(intptr_t)a[4];
+    const uint16_t *d = (const uint16_t *)(intptr_t)a[5], *m = (const uint16_t *)(intptr_t)a[6];
+    int8_t *qt = (int8_t *)(intptr_t)a[7];
+    uint16_t *dt = (uint16_t *)(intptr_t)a[8], *mt = (uint16_t *)(intptr_t)a[9];
+    int64_t row_bytes = fmt == FMT_Q8 ? Kp : Kp / 2, bb = tb / AMX_ROWS, ns = SPAD(nb);
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for schedule(static)
+    for (int64_t lg = 0; lg < L * G; lg++) {
+        int64_t l = lg / G, g = lg % G;
+        for (int64_t b = 0; b < nb; b++) {
+            int8_t *out = qt + (lg * nb + b) * tb;
+            uint16_t *od = dt + (lg * nb + b) * AMX_ROWS, *om = fmt == FMT_Q4 ? mt + (lg * nb + b) * AMX_ROWS : NULL;
+            for (int r = 0; r < AMX_ROWS; r++) {
+                int64_t n = g * AMX_ROWS + r;
+                const int8_t *src = n < N ? qs + (l * N + n) * row_bytes + b * bb : NULL;
+                for (int64_t c = 0; c < bb; c++) out[(c / 4) * 64 + r * 4 + c % 4] = src ? src[c] : 0;
+                od[r] = n < N ? d[(l * N + n) * ns + b] : 0;
+                if (om) om[r] = n < N ? m[(l * N + n) * ns + b] : 0;
+            }
+        }
+    }
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -838,17 +866,20 @@ static inline void share(int64_t n, int tid, int nth, int64_t *lo, int64_t *hi) 
     *hi = n * (tid + 1) / nth;
 }
 
-/* A packed weight as the C side sees it. */
+/* A packed weight as the C side sees it: its codes and scales, and its tile copy (tile_pack) or NULLs. */
 typedef struct {
     int fmt;
     int64_t L, N, K, Kp;
     const int8_t *qs;
     const uint16_t *d, *m;
+    const int8_t *qt;
+    const uint16_t *dt, *mt;
 } packed_t;
 
-static packed_t packed_from(const int64_t *a) {  /* fmt, L, N, K, Kp, qs, d, m */
+static packed_t packed_from(const int64_t *a) {  /* fmt, L, N, K, Kp, qs, d, m, qt, dt, mt */
     packed_t w = {(int)a[0], a[1], a[2], a[3], a[4], (const int8_t *)(intptr_t)a[5],
-                  (const uint16_t *)(intptr_t)a[6], (const uint16_t *)(intptr_t)a[7]};
+                  (const uint16_t *)(intptr_t)a[6], (const uint16_t *)(intptr_t)a[7], (const int8_t *)(intptr_t)a[8],
+                  (const uint16_t *)(intptr_t)a[9], (const uint16_t *)(intptr_t)a[10]};
     return w;
 }
 
@@ -879,12 +910,14 @@ static size_t act_bytes(const packed_t *w, int64_t M, int pre, int nthreads, siz
     return ((1 + act_hi()) * q + s + t + 63) / 64 * 64 + 2 * q + amx_sum_bytes(M, nthreads);
 }
 
+/* The rests' codes start right after the codes' (rows x Kp bytes): the AMX tiles read a few rows of both as
+ * one tile (tile_amx, fused). */
 static act_t act_at(int8_t *base, const packed_t *w, int64_t M, int pre, int nthreads) {
     size_t q;
     size_t all = act_bytes(w, M, pre, nthreads, &q), sums = amx_sum_bytes(M, nthreads);
     int hi = act_hi();
     int64_t rows = w->L * M, ns = SPAD(w->Kp / QK);
-    act_t a = {base, hi ? base + q : NULL, (float *)(base + (1 + hi) * q), NULL, NULL, NULL, NULL};
+    act_t a = {base, hi ? base + rows * w->Kp : NULL, (float *)(base + (1 + hi) * q), NULL, NULL, NULL, NULL};
     a.xs = a.xd + rows * ns;
     a.tmp = a.xs + rows * ns;
     a.x16 = (int16_t *)(base + (all - sums - 2 * q));
@@ -925,7 +958,7 @@ static void linear_team(const packed_t *w, int64_t M, const float *x, float *y, 
     const uint16_t *wd = w->d, *wm = w->m;
     int64_t row_bytes = fmt == FMT_Q8 ? Kp : Kp / 2, rows = L * M, xstride = pre == PRE_SWIGLU ? 2 * K : K;
 #ifdef LP_X86
-    const int amx = USE_AMX && M >= AMX_MIN_ROWS;
+    const int amx = USE_AMX && M >= AMX_MIN_ROWS && w->qt;
 #else
     const int amx = 0;
 #endif
@@ -946,23 +979,24 @@ static void linear_team(const packed_t *w, int64_t M, const float *x, float *y, 
     team_sync(team, nth);
 #ifdef LP_X86
     if (amx && tid < nw) {  /* 16 weight rows at a time with the tokens in chunks of 16, then the rest */
-        share((N + AMX_ROWS - 1) / AMX_ROWS, tid, nw, &lo, &up);
+        const int64_t groups = (N + AMX_ROWS - 1) / AMX_ROWS;
+        share(groups, tid, nw, &lo, &up);
         float *sums = a->sums + 2 * AMX_ROWS * M * tid;
         for (int pass = 0; pass < 2 && lo < up; pass++) {
             int T = pass == 0 ? AMX_ROWS : (int)(M % AMX_ROWS), chunks = pass == 0 ? (int)(M / AMX_ROWS) : 1;
             int64_t t0 = pass == 0 ? 0 : M - M % AMX_ROWS;
             if (T == 0 || chunks == 0) continue;
-            amx_config(T);
+            const int fused = hi && L == 1 && 2 * M <= AMX_ROWS;  /* the rests follow the codes: one A tile */
+            amx_config(T, fused);
             for (int64_t l = 0; l < L; l++) {
-                const int8_t *wq = qs + l * N * row_bytes;
-                const uint16_t *ld = wd + l * N * ns, *lm = fmt == FMT_Q4 ? wm + l * N * ns : NULL;
                 int64_t row = l * M + t0;
                 for (int64_t gi = lo; gi < up; gi++) {
-                    int64_t n = gi * AMX_ROWS;
+                    int64_t n = gi * AMX_ROWS, g = l * groups + gi;
                     int R = (int)(N - n < AMX_ROWS ? N - n : AMX_ROWS);
-                    tile_amx(fmt, nb, row_bytes, wq + n * row_bytes, ld + n * ns, lm ? lm + n * ns : NULL, R, T, chunks,
-                             a->xq + row * Kp, hi ? a->xq2 + row * Kp : NULL, Kp, a->xd + row * ns, a->xs + row * ns,
-                             ns, y + row * N + n, N, acc, sums);
+                    tile_amx(fmt, nb, w->qt + g * nb * tile_bytes(fmt), w->dt + g * nb * AMX_ROWS,
+                             fmt == FMT_Q4 ? w->mt + g * nb * AMX_ROWS : NULL, R, T, chunks, fused, a->xq + row * Kp,
+                             hi ? a->xq2 + row * Kp : NULL, Kp, a->xd + row * ns, a->xs + row * ns, ns, y + row * N + n,
+                             N, acc, sums);
                 }
             }
         }
@@ -1007,16 +1041,16 @@ static void linear_team(const packed_t *w, int64_t M, const float *x, float *y, 
     team_sync(team, nth);
 }
 
-/* linear(fmt, L, N, K, Kp, M, qs, d, m, x, y, pre, g, g_per_lane, eps): one product from Python */
+/* linear(fmt, L, N, K, Kp, M, qs, d, m, qt, dt, mt, x, y, pre, g, g_per_lane, eps): one product from Python */
 static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t a[14];
-    if (args_i64(args, nargs - 1, 14, a) < 0) return NULL;
-    double eps = PyFloat_AsDouble(args[14]);
+    int64_t a[17];
+    if (args_i64(args, nargs - 1, 17, a) < 0) return NULL;
+    double eps = PyFloat_AsDouble(args[17]);
     if (eps == -1.0 && PyErr_Occurred()) return NULL;
-    int64_t wa[8] = {a[0], a[1], a[2], a[3], a[4], a[6], a[7], a[8]};
+    int64_t wa[11] = {a[0], a[1], a[2], a[3], a[4], a[6], a[7], a[8], a[9], a[10], a[11]};
     packed_t w = packed_from(wa);
     int64_t M = a[5];
-    int pre = (int)a[11];
+    int pre = (int)a[14];
     int nthreads = linear_wide(&w, M) ? omp_get_max_threads() : 1;
     int8_t *buf = (int8_t *)aligned_alloc(64, act_bytes(&w, M, pre, nthreads, NULL));
     if (!buf) return PyErr_NoMemory();
@@ -1024,8 +1058,8 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nar
     team_t team = {0, 0};
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel num_threads(nthreads)
-    linear_team(&w, M, (const float *)(intptr_t)a[9], (float *)(intptr_t)a[10], pre, (const float *)(intptr_t)a[12],
-                (int)a[13], (float)eps, 0, &act, omp_get_thread_num(), omp_get_num_threads(), &team);
+    linear_team(&w, M, (const float *)(intptr_t)a[12], (float *)(intptr_t)a[13], pre, (const float *)(intptr_t)a[15],
+                (int)a[16], (float)eps, 0, &act, omp_get_thread_num(), omp_get_num_threads(), &team);
     Py_END_ALLOW_THREADS
     free(buf);
     Py_RETURN_NONE;
@@ -1431,7 +1465,7 @@ static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nar
  * attention are the same functions the per-block path calls, and the residual adds are the same float
  * additions. */
 
-enum { LW = 8, PL_ANORM = 0, PL_WQKV = 1, PL_WO = 1 + LW, PL_FNORM = 1 + 2 * LW, PL_W13 = 2 + 2 * LW,
+enum { LW = 11, PL_ANORM = 0, PL_WQKV = 1, PL_WO = 1 + LW, PL_FNORM = 1 + 2 * LW, PL_W13 = 2 + 2 * LW,
        PL_W2 = 2 + 3 * LW, PLAN = 2 + 4 * LW };
 
 static size_t max_size(size_t a, size_t b) { return a > b ? a : b; }
@@ -1517,11 +1551,11 @@ static attend_t group_attention(const int64_t *gr, int64_t layer, int64_t hq, in
 }
 
 /* step(plan, layers, groups, G, hq, hkv, hd, h, head, norm, logits, eps)
- * plan: int64 [layers, PLAN]: attn_norm, wqkv (fmt, L, N, K, Kp, qs, d, m), wo (...), ffn_norm, w13, w2;
+ * plan: int64 [layers, PLAN]: attn_norm, wqkv (fmt, L, N, K, Kp, qs, d, m, qt, dt, mt), wo (...), ffn_norm, w13, w2;
  * groups: int64 [G, GROUP]: each group's row count, position, cos/sin of that position ([hd/2] each)
  * and KV cache (int64 [layers, 3]: k, v, slots; the cache holds exactly the group's rows);
  * h: float32 [B, D] (B = all groups' rows, in group order), the residual (updated in place);
- * head: int64 [8] (as a weight in plan), norm: the final norm; logits: float32 [B, V].
+ * head: int64 [11] (as a weight in plan), norm: the final norm; logits: float32 [B, V].
  * The products run over all B rows at once (each row's result is the one it gets alone); the
  * attention runs per group, cut exactly as it is for that group alone. */
 static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -1767,8 +1801,10 @@ static PyObject *py_use(PyObject *self, PyObject *arg) {
 static PyMethodDef METHODS[] = {
     {"pack", (PyCFunction)(void (*)(void))py_pack, METH_FASTCALL, "pack(fmt, rows, K, Kp, src, qs, d, m)"},
     {"unpack", (PyCFunction)(void (*)(void))py_unpack, METH_FASTCALL, "unpack(fmt, rows, K, Kp, qs, d, m, dst)"},
+    {"tile_pack", (PyCFunction)(void (*)(void))py_tile_pack, METH_FASTCALL,
+     "tile_pack(fmt, L, N, Kp, qs, d, m, qt, dt, mt): the weight's copy for the AMX tiles"},
     {"linear", (PyCFunction)(void (*)(void))py_linear, METH_FASTCALL,
-     "linear(fmt, L, N, K, Kp, M, qs, d, m, x, y, pre, g, g_per_lane, eps)"},
+     "linear(fmt, L, N, K, Kp, M, qs, d, m, qt, dt, mt, x, y, pre, g, g_per_lane, eps)"},
     {"attend", (PyCFunction)(void (*)(void))py_attend, METH_FASTCALL,
      "attend(N, hq, hkv, hd, qkv, cos, sin, kc, vc, slots, slot, nvis, out)"},
     {"step", (PyCFunction)(void (*)(void))py_step, METH_FASTCALL,

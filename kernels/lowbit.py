@@ -39,6 +39,7 @@ except ImportError as e:  # pragma: no cover - only without a C compiler at inst
 else:
     _IMPORT_ERROR = None
 _GEMM_MIN_ROWS = [GEMM_MIN_ROWS.get(_lowbit.kernel(), GEMM_MIN_ROWS["generic"]) if _lowbit is not None else 56]
+_TILES = _lowbit is not None and "amx" in _lowbit.kernels()  # weights keep a copy for the tiles
 
 
 def available() -> bool:
@@ -67,10 +68,12 @@ def kernels() -> tuple[str, ...]:
 
 
 def tile_min_rows(rows: int | None = None) -> int:
-    """With the 'amx' kernel, products of this many rows per lane or more (by default 17: prompt chunks)
-    run on the AMX tiles, fewer on the VNNI kernel; both give every row bit for bit the same result, so
-    this is a matter of speed only (in a decode step the tiles win nothing below 16 rows). Sets it when
-    given; returns the setting before (0 with any other kernel)."""
+    """With the 'amx' kernel, products of this many rows per lane or more (by default 4: decode steps of
+    four requests or more, verifies, prompt chunks) run on the AMX tiles, fewer on the VNNI kernel; both
+    give every row bit for bit the same result, so this is a matter of speed only (in a decode step of the
+    default model the tiles tie with the VNNI kernel at 4 rows and win from 5 on, 1.27x at 8 rows and
+    1.56x at 16; one row is 10% slower on them). Sets it when given; returns the setting before (0 with
+    any other kernel)."""
     require()
     if rows is not None and int(rows) < 1:
         raise ValueError("tile_min_rows must be at least 1")
@@ -118,7 +121,11 @@ def step_threads(n: int | None = None) -> int:
 class PackedWeight:
     """A packed [N, K] or [L, N, K] weight. qs: codes [L, N, Kp] int8 or [L, N, Kp/2] uint8 (two
     4-bit codes per byte); d (and m for int4): fp16 [L, N, S], one per block of 32, S = Kp/32 rounded
-    up to a multiple of 8 (zeros past the last block: the kernels read scales 8 at a time)."""
+    up to a multiple of 8 (zeros past the last block: the kernels read scales 8 at a time).
+
+    Where the CPU has AMX tiles, the weight also keeps `tiles`: the same codes and scales in the order
+    the tiles read them (16 rows at a time, block by block; `tile_copy`), so a multi-row product streams
+    one sequential buffer. It doubles the weight's memory there; a product reads one copy or the other."""
 
     def __init__(self, fmt: str, shape: tuple[int, ...], qs: Tensor, d: Tensor, m: Tensor | None):
         self.fmt, self.shape = fmt, tuple(shape)
@@ -127,7 +134,9 @@ class PackedWeight:
         self.rows, self.cols = shape[-2], shape[-1]
         self.padded = qs.shape[-1] * (2 if fmt == "int4" else 1)
         self._code = FORMATS[fmt]
-        self._ptrs = (qs.data_ptr(), d.data_ptr(), m.data_ptr() if m is not None else 0)
+        self.tiles = tile_copy(self) if _TILES else None
+        tiles = self.tiles or (None, None, None)
+        self._ptrs = tuple(t.data_ptr() if t is not None else 0 for t in (qs, d, m, *tiles))
         self._args = (self._code, self.lanes, self.rows, self.cols, self.padded)
         self.lanes_first = len(shape) == 3
 
@@ -172,7 +181,7 @@ class PackedWeight:
         require()
         out = torch.empty(self.lanes, self.rows, self.cols, dtype=torch.float32)
         if out.numel():
-            _lowbit.unpack(self._code, self.lanes * self.rows, self.cols, self.padded, *self._ptrs, out.data_ptr())
+            _lowbit.unpack(self._code, self.lanes * self.rows, self.cols, self.padded, *self._ptrs[:3], out.data_ptr())
         return out
 
     def _gemm(self, x: Tensor, m: int, norm: Tensor | None, eps: float, swiglu: bool) -> Tensor:
@@ -220,6 +229,26 @@ class PackedWeight:
 
 
 PRE_NONE, PRE_RMSNORM, PRE_SWIGLU = 0, 1, 2
+TILE_ROWS = 16  # weight rows per AMX tile
+
+
+def tile_copy(w: PackedWeight) -> tuple[Tensor, Tensor, Tensor | None]:
+    """`w`'s codes and scales in the AMX tiles' order: per lane, rows in groups of 16 (zeros past the
+    last row), and per group and block of 32 the block's bytes as the tiles' columns take them (four
+    bytes of each of the 16 rows at a time), then the 16 rows' fp16 scales (and int4 minimums) side by
+    side. -> (codes int8 [L, G, blocks, 16 x block bytes], scales and minimums fp16 [L, G, blocks, 16])."""
+    require()
+    L, nb = w.lanes, w.padded // BLOCK
+    G = -(-w.rows // TILE_ROWS)
+    block_bytes = BLOCK if w.fmt == "int8" else BLOCK // 2
+    qt = torch.empty(L, G, nb, TILE_ROWS * block_bytes, dtype=torch.int8)
+    dt = torch.empty(L, G, nb, TILE_ROWS, dtype=torch.float16)
+    mt = torch.empty(L, G, nb, TILE_ROWS, dtype=torch.float16) if w.m is not None else None
+    if qt.numel():
+        _lowbit.tile_pack(w._code, L, w.rows, w.padded, w.qs.data_ptr(), w.d.data_ptr(),
+                          w.m.data_ptr() if w.m is not None else 0, qt.data_ptr(), dt.data_ptr(),
+                          mt.data_ptr() if mt is not None else 0)
+    return qt, dt, mt
 
 
 def attend(qkv: Tensor, cos: Tensor, sin: Tensor, kc: Tensor, vc: Tensor, slot: int, n: int,

@@ -389,27 +389,54 @@ def test_the_vector_activation_quantizer_is_the_scalar_one_bit_for_bit(k, rest, 
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-@pytest.mark.parametrize("m,n,k", [(1, 45, 200), (5, 16, 64), (17, 45, 200), (20, 16, 64), (33, 40, 576),
-                                   (40, 7, 70), (48, 33, 1536)])
-def test_the_amx_tiles_and_the_vnni_kernel_agree_bit_for_bit(bits, fmt, m, n, k):
+@pytest.mark.parametrize("shape", [(45, 200), (2, 16, 64), (3, 33, 1536), (1, 7, 70)])
+def test_the_tile_copy_holds_each_block_in_the_tiles_column_order(fmt, shape):
+    """The AMX tiles' copy of a weight (built on any CPU): per lane, 16 rows at a time (zeros past the
+    last), each block's bytes four per row and column, and the 16 rows' scales side by side."""
+    torch.manual_seed(1)
+    p = lowbit.pack(torch.randn(*shape), fmt)
+    qt, dt, mt = lowbit.tile_copy(p)
+    L, N, nb = p.lanes, p.rows, p.padded // 32
+    G = -(-N // 16)
+    q = p.qs.view(torch.int8).reshape(L, N, nb, -1)
+    q = torch.cat([q, torch.zeros(L, G * 16 - N, nb, q.shape[-1], dtype=torch.int8)], 1)
+    want = q.view(L, G, 16, nb, -1, 4).permute(0, 1, 3, 4, 2, 5).reshape(L, G, nb, -1)
+    assert torch.equal(qt, want)
+
+    def side_by_side(s):
+        s = torch.cat([s.reshape(L, N, -1)[..., :nb], torch.zeros(L, G * 16 - N, nb, dtype=s.dtype)], 1)
+        return s.view(L, G, 16, nb).transpose(2, 3)
+
+    assert torch.equal(dt, side_by_side(p.d))
+    assert (mt is None) == (fmt == "int8") and (mt is None or torch.equal(mt, side_by_side(p.m)))
+    assert (p.tiles is not None) == ("amx" in lowbit.kernels())
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize("lanes", [1, 2])
+@pytest.mark.parametrize("m,n,k", [(1, 45, 200), (5, 16, 64), (8, 17, 96), (9, 33, 64), (17, 45, 200),
+                                   (20, 16, 64), (33, 40, 576), (40, 7, 70), (48, 33, 1536)])
+def test_the_amx_tiles_and_the_vnni_kernel_agree_bit_for_bit(bits, fmt, lanes, m, n, k):
     """'amx': products of tile_min_rows rows or more run on the tiles, fewer on the VNNI kernel, and both
     give each row bit for bit the same result (the same block sums, the same float order), plain or with
-    the fused RMSNorm or SwiGLU: a row's logits do not depend on which ran, nor on the other rows."""
+    the fused RMSNorm or SwiGLU: a row's logits do not depend on which ran, nor on the other rows. One
+    lane with at most 8 rows takes the codes and their rests in one tile."""
     if "amx" not in KERNELS:
         pytest.skip("this CPU (or its kernel) offers no AMX tiles: the VNNI or AVX2 kernel runs")
     torch.manual_seed(6)
-    p = lowbit.pack(torch.randn(2, n, k), fmt)
+    p = lowbit.pack(torch.randn(lanes, n, k), fmt)
     w = p.dequantize()
-    x, g, u = torch.randn(2, m, k) * 2, torch.rand(k) + 0.5, torch.randn(2, m, 2 * k)
+    x, g, u = torch.randn(lanes, m, k) * 2, torch.rand(k) + 0.5, torch.randn(lanes, m, 2 * k)
     before, gemm = lowbit.kernel_name(), lowbit.gemm_min_rows(10 ** 6)
     out = {}
     try:
         lowbit.use_kernel("amx")
-        assert lowbit.tile_min_rows() == 17  # by default: prompt chunks
+        default = lowbit.tile_min_rows()
+        assert default == 4  # by default: decode steps of four requests and more
         for rows in (1, 10 ** 6):  # everything on the tiles, then nothing
             lowbit.tile_min_rows(rows)
             out[rows] = (p.linear(x), p.linear(x, norm=g, eps=1e-5), p.linear(u, swiglu=True))
-        lowbit.tile_min_rows(17)
+        lowbit.tile_min_rows(default)
         order = torch.randperm(m)
         again = (p.linear(x[:, order]), torch.cat([p.linear(x[:, i:i + 1]) for i in range(m)], 1))
         lowbit.use_kernel("vnni")
@@ -421,5 +448,5 @@ def test_the_amx_tiles_and_the_vnni_kernel_agree_bit_for_bit(bits, fmt, m, n, k)
         assert torch.equal(a, b)
     tiles = out[1][0]
     assert torch.equal(tiles, vnni) and torch.equal(again[0], tiles[:, order]) and torch.equal(again[1], tiles)
-    for i in range(2):
+    for i in range(lanes):
         assert ((tiles[i] - x[i] @ w[i].T).abs() <= _act_error_bound(x[i], w[i], bits)).all()
