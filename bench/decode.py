@@ -13,7 +13,10 @@ Q8_0 head) and int8, and int4 once more through `laneplay engine` over HTTP (`--
 decodes on its scheduler thread, as the playground gets it); each in-process engine's split of a step (weight products / attention / other) is printed too. Runs alternate engines so
 drift hits all alike; ratios are the result. Bandwidth is measured in the same run; achieved GB/s =
 bytes read per token (each engine's own: float32, half or the GGUF's) x tokens/s, and the share of the
-read roofline. Also batch 1 vs n samples in one batch (the cost of pass@N per sample). Refuses to
+read roofline. Also batch 1 vs n samples in one batch (the cost of pass@N per sample). Ours decodes
+with speculation off, one token per step as the peers do (`laneplay bench spec` measures what prompt
+lookup adds: with --new-tokens and EOS ignored the small model repeats itself, which speculation
+would turn into a number about the text, not the engine). Refuses to
 report on a busy machine unless --allow-noisy. Writes bench/results/decode-cpu.json.
 """
 from __future__ import annotations
@@ -33,7 +36,7 @@ def our_run(eng, ids, new_tokens, n=1, temperature=0.0):
 
     finals = {}
     params = SamplingParams(max_tokens=new_tokens, temperature=temperature, seed=0, n=n, ignore_eos=True)
-    for ev in eng.generate(ids, params):
+    for ev in eng.generate(ids, params, speculative="off"):  # one token per step, as the peers decode
         if ev.finish_reason:
             finals[ev.sample_index] = ev.metrics
     m = finals[0]
@@ -63,8 +66,8 @@ def served_run(url, ids, new_tokens):
     from laneplay.api_client import SyncEngineClient
 
     with SyncEngineClient(url, timeout_s=600, connect_s=600) as client:
-        out = client.complete({"prompt": ids, "max_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True},
-                              chat=False)
+        out = client.complete({"prompt": ids, "max_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True,
+                               "laneplay": {"speculative": "off"}}, chat=False)
     t = out["laneplay"]
     return {"ttft_ms": t["ttft_ms"], "decode_tps": t["decode_tokens_per_second"],
             "tokens": out["usage"]["completion_tokens"]}
