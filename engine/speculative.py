@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from laneplay.engine.sampling import SamplingParams, is_greedy, process_logits
+from laneplay.engine.sampling import SamplingParams, is_greedy, process_logits, top_two
 
 MODES = ("auto", "off", "lookup")
 NGRAMS = (4, 3, 2, 1)  # n-gram lengths looked up, longest first
@@ -179,13 +179,13 @@ class Speculation:
         tokens stay the tokens after the first). Updates the counts and the controller."""
         k = len(drafts)
         if self.greedy:
-            top2 = logits.float().topk(2, dim=-1)
-            best = top2.indices[:, 0].tolist()
+            ids, top = top_two(logits.float())
+            best = ids[:, 0].tolist()
             kept = 0
             while kept < k and best[kept] == drafts[kept]:
                 kept += 1
-            gap = (top2.values[: kept + 1, 0] - top2.values[: kept + 1, 1]).abs()
-            self.near_ties += int((gap <= 1e-5 * top2.values[: kept + 1, 0].abs().clamp_min(1.0)).sum())
+            gap = (top[: kept + 1, 0] - top[: kept + 1, 1]).abs()
+            self.near_ties += int((gap <= 1e-5 * top[: kept + 1, 0].abs().clamp_min(1.0)).sum())
             out = drafts[:kept] + [best[kept]]
         else:
             probs = process_logits(logits.float(), self.params).softmax(-1)

@@ -388,6 +388,26 @@ def test_the_vector_activation_quantizer_is_the_scalar_one_bit_for_bit(k, rest, 
             assert torch.equal(a, b)
 
 
+def test_top2_is_torch_argmax_and_topk_with_ties_to_the_lower_index():
+    torch.manual_seed(3)
+    x = torch.randn(6, 49152)
+    x[1, 100] = x[1, 7] = 50.0  # a tie for the top: the lower index first, then the other
+    x[2, 9] = 40.0
+    x[2, 300] = x[2, 20] = 30.0  # a tie for second place: the lower index
+    x[3] = -torch.inf  # nothing but -inf: the first two indices
+    x[4, 5] = float("nan")  # NaNs are passed over
+    x[5] = 1.0  # all equal
+    idx, val = lowbit.top2(x)
+    assert idx[:, 0].tolist() == [int(x[0].argmax()), 7, 9, 0, int(x[4].nan_to_num(-1e9).argmax()), 0]
+    assert idx[1:, 1].tolist() == [100, 20, 1, int(x[4].nan_to_num(-1e9).topk(2).indices[1]), 1]
+    ref = x[0].topk(2)
+    assert idx[0].tolist() == ref.indices.tolist() and torch.equal(val[0], ref.values)
+    assert torch.equal(val[:, 0], x.gather(1, idx[:, :1]).squeeze(1))
+    assert lowbit.top2(torch.empty(0, 5))[0].shape == (0, 2)
+    with pytest.raises(ValueError):
+        lowbit.top2(torch.zeros(3, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("shape", [(45, 200), (2, 16, 64), (3, 33, 1536), (1, 7, 70)])
 def test_the_tile_copy_holds_each_block_in_the_tiles_column_order(fmt, shape):
