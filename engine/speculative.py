@@ -42,10 +42,10 @@ MATCH_MAX = 16  # how far back a match's length is measured
 K_START, K_MAX = 4, 15
 # What a verify of S rows costs in one-token decode steps is about 1 + ROW_COST * (S - 1): measured on the
 # embedded default, CPU int4, 2 cores with AVX-512 VNNI (1 row 6.2 ms, 4 rows 12.1 ms, 9 rows 25.4 ms, 16
-# rows 46 ms: the integer products are arithmetic-bound). Where verifies of 4 rows and more run on AMX tiles
-# a row costs ~0.17 (1, 1.73, 2.28, 3.51 steps at S = 1, 4, 8, 16); replayed over the edit corpus, a rule
-# that picks the draft count from these costs and per-match-length acceptance drafts no better than the
-# match-length rule here (1.64x against 1.63x), so the rule does not depend on the kernel.
+# rows 46 ms: the integer products are arithmetic-bound). On AMX tiles a row costs ~0.15-0.2 (1.58-1.85,
+# 2.27-2.57 and 3.66-4.13 steps at S = 4, 8, 16); replayed over the edit corpus, a rule that picks the
+# draft count from such costs and per-match-length acceptance drafts no better than the match-length rule
+# here (1.64x against 1.63x), so the rule does not depend on the kernel.
 ROW_COST = 0.37
 
 

@@ -10,7 +10,8 @@ products are scaled once, so a decode step streams the packed bytes and nothing 
 has AVX-512 VNNI, the rows of a batched decode step (one per request) are taken in tiles that share
 each pass over the weights, each row bit for bit what it gets alone; where it also has AMX, products of
 `tile_min_rows` rows or more (by default all of them) run on the int8 tiles, from a copy of the weight
-kept in the tiles' order (`tile_copy`), bit for bit the VNNI kernel's results. Long products (`gemm_min_rows` tokens or more) unpack the weight in C and run one float GEMM.
+kept in the tiles' order (`tile_copy`), bit for bit the VNNI kernel's results. Long products
+(`gemm_min_rows` tokens or more) unpack the weight in C and run one float GEMM.
 
 `PackedWeight.dequantize()` is the reference: the same packed codes unpacked in plain torch.
 """
