@@ -390,11 +390,16 @@ class RowSampler:
         return [(r[0], [(int(i), t) for i, t in zip(r[1:1 + k], r[1 + k:])]) for r in rows]
 
 
+def _top2_in_c(logits: Tensor) -> bool:
+    """float32 CPU rows [n, V] go through one C pass (`lowbit.top2`): torch's argmax and topk take ~0.2-0.4 ms
+    over the default model's 49,152 entries."""
+    return logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and lowbit.available()
+
+
 def top_two(logits: Tensor) -> tuple[Tensor, Tensor]:
     """Each row's two most likely tokens and their logits, best first: (ids [n, 2], logits [n, 2]); ties go
-    to the lower id, as argmax takes them. float32 CPU rows go through one C pass (`lowbit.top2`; torch's
-    argmax and topk take ~0.2-0.4 ms over the default model's 49,152 entries), others through torch."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and lowbit.available():
+    to the lower id, as argmax takes them."""
+    if _top2_in_c(logits):
         return lowbit.top2(logits)
     top = logits.topk(2, dim=-1)
     return top.indices, top.values
@@ -402,9 +407,7 @@ def top_two(logits: Tensor) -> tuple[Tensor, Tensor]:
 
 def greedy_tokens(logits: Tensor) -> Tensor:
     """The argmax of each row of logits [n, V] (the first maximum)."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and lowbit.available():
-        return lowbit.top2(logits)[0][:, 0]
-    return logits.argmax(-1)
+    return lowbit.top2(logits)[0][:, 0] if _top2_in_c(logits) else logits.argmax(-1)
 
 
 def _sample_rows(logits: Tensor, params: SamplingParams, generators: list[torch.Generator]) -> Tensor:

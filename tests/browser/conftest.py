@@ -141,6 +141,18 @@ def new_context(browser):
         rec.check()
 
 
+def open_share(page, new_context, button: str = "#share"):
+    """Press a share button on the owner's page and open the link it shows in a fresh context (no
+    cookies): -> (the link, the viewer's page, already at the link with a 200)."""
+    page.click(button)
+    page.wait_for_selector("#share-link")
+    link = page.get_attribute("#share-link", "href")
+    vctx, _ = new_context()
+    viewer = vctx.new_page()
+    assert viewer.goto(link).status == 200
+    return link, viewer
+
+
 def screenshot(page, name: str) -> Path | None:
     """Saves the page as <name>.png in the folder LANEPLAY_SCREENSHOTS names (`make screenshots`); without
     it, nothing is written (None)."""

@@ -10,7 +10,7 @@ import pytest
 
 from laneplay.app.playground import editor_code
 
-from .conftest import screenshot
+from .conftest import open_share, screenshot
 
 pytestmark = pytest.mark.slow
 INSTRUCTION = "Write a Python function add(a, b) that returns the sum of a and b."
@@ -257,12 +257,7 @@ def test_a_shared_output_shows_the_request_it_answered(server, new_context):
     generate(page, instruction=second, max_tokens=12)
     page.wait_for_function("() => document.querySelector('#meter').dataset.state !== 'done'")
     wait_state(page, ("done",))
-    page.click("#share")
-    page.wait_for_selector("#share-link")
-    link = page.get_attribute("#share-link", "href")
-    vctx, _ = new_context()
-    viewer = vctx.new_page()
-    assert viewer.goto(link).status == 200
+    _, viewer = open_share(page, new_context)
     assert viewer.inner_text("#instruction").strip() == second
     asked = viewer.locator("details.lp-asked")
     assert asked.count() == 1 and first not in viewer.inner_text("#instruction")
@@ -270,7 +265,7 @@ def test_a_shared_output_shows_the_request_it_answered(server, new_context):
     assert first in asked.inner_text() and "earlier request" in asked.inner_text()
     screenshot(viewer, "share-page-earlier-request")
     ctx.close()
-    vctx.close()
+    viewer.context.close()
 
 
 def test_another_browser_never_sees_this_history(server, owner, new_context):

@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from .conftest import VIEWPORT, Recorder, screenshot
+from .conftest import VIEWPORT, Recorder, open_share, screenshot
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = "64"  # short answers: the run's mechanics are under test here, not the model
@@ -129,12 +129,7 @@ def test_two_runs_side_by_side_in_one_table_and_one_chart(server, owner):
 
 def test_a_share_link_shows_the_runs_read_only_in_a_fresh_browser(server, owner, new_context):
     _, _, page = owner
-    page.click("#passn-share")
-    page.wait_for_selector("#share-link")
-    link = page.get_attribute("#share-link", "href")
-    vctx, _ = new_context()
-    viewer = vctx.new_page()
-    assert viewer.goto(link).status == 200
+    _, viewer = open_share(page, new_context, "#passn-share")
     assert viewer.locator("#passn-table tr[data-k]").count() >= 1 and viewer.locator("#passn-chart svg").count()
     assert viewer.get_attribute("#passn-progress", "data-state") == "done"
     assert viewer.locator("textarea, input, [contenteditable=true]").count() == 0  # read-only
