@@ -103,11 +103,12 @@ def bytes_per_token(eng, prompt_len: int, new_tokens: int) -> dict:
     weights = sum(t.nbytes for lw in m.layers for t in vars(lw).values()) + m.norm.nbytes + m.head_weight.nbytes
     weights += m.embed.shape[1] * m.embed.element_size()
     cfg = eng.cfg
-    kv_per_pos = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * m.embed.element_size()
+    values_per_pos = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
     mean_pos = prompt_len + new_tokens / 2
     float32 = sum(t.numel() for lw in m.layers for t in vars(lw).values()) + m.norm.numel() + m.head_weight.numel()
     float32 = 4 * (float32 + m.embed.shape[1])
-    return {"weights": weights, "float32_weights": float32, "kv_mean": kv_per_pos * mean_pos}
+    return {"weights": weights, "float32_weights": float32, "kv_mean": values_per_pos * m.kv_dtype.itemsize * mean_pos,
+            "kv_values_mean": values_per_pos * mean_pos}
 
 
 def matvec_only_tps(eng, reps: int = 5) -> float:
@@ -293,7 +294,8 @@ def main(argv=None) -> int:
         b = bytes_per_token(own or first, len(prompts[pname]), args.new_tokens)
         # peers: llama.cpp reads the GGUF as shipped, transformers the weights dequantized to float32
         weights = b["weights"] if own is not None else gguf_bytes if name.startswith("llama.cpp") else b["float32_weights"]
-        kv = b["kv_mean"] * (0.5 if own is None and name.startswith("llama.cpp") else 1.0)  # its cache is f16
+        # llama.cpp's cache is float16, transformers' float32
+        kv = b["kv_mean"] if own is not None else b["kv_values_mean"] * (2 if name.startswith("llama.cpp") else 4)
         tps = median([r["decode_tps"] for r in rs])
         rows.append({"engine": name, "prompt": pname, "prompt_tokens": len(prompts[pname]), "new": args.new_tokens,
                      "ttft_ms": median([r["ttft_ms"] for r in rs]), "decode_tps": tps,

@@ -28,7 +28,7 @@ STEP_ROWS = 16
 
 def kv_need(engine, ids: list[int], params: SamplingParams) -> int:
     """The KV cache a request reserves while it runs (its prefill cache and its n-sample copy)."""
-    return request_kv_bytes(engine.cfg, params.n, len(ids) + params.max_tokens, engine.dtype.itemsize)
+    return request_kv_bytes(engine.cfg, params.n, len(ids) + params.max_tokens, engine.runtime.kv_dtype.itemsize)
 
 
 class Sequence:

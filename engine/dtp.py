@@ -251,7 +251,7 @@ class _RankEngine:
     def __init__(self, runner: LocalRunner, eos_ids: set[int]):
         self.runner, self.eos_ids, self.tokenizer = runner, eos_ids, None
         self.cfg, self.device, self.world_size = runner.cfg, runner.device, runner.world_size
-        self.dtype = runner.runtime.torch_dtype
+        self.dtype, self.runtime = runner.runtime.torch_dtype, runner.runtime
 
 
 class Rank:

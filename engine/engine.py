@@ -94,9 +94,9 @@ class Engine:
     def check_kv_budget(self, positions: int, n: int) -> None:
         """Refuse, before allocating anything, a request whose KV cache would pass the engine's budget."""
         budget = self.runtime.kv_budget_bytes
-        need = request_kv_bytes(self.cfg, n, positions, self.dtype.itemsize)
+        need = request_kv_bytes(self.cfg, n, positions, self.runtime.kv_dtype.itemsize)
         if budget and need > budget:
-            per_sample = request_kv_bytes(self.cfg, 1, positions, self.dtype.itemsize)
+            per_sample = request_kv_bytes(self.cfg, 1, positions, self.runtime.kv_dtype.itemsize)
             fit = max(0, budget // per_sample - 1) if n > 1 else 0
             hint = f"; at this length at most n={fit}" if fit >= 1 else ""
             raise KVBudgetError(f"this request needs {need / 2**30:.2f} GiB of KV cache (n={n} x {positions} positions) "

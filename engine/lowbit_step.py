@@ -77,10 +77,11 @@ class DecodeStep:
         table = self._tables.get(cache)
         if table is None:
             for k, v in zip(cache.k, cache.v):
-                if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in (k, v)):
-                    raise ValueError("the low-bit step needs a contiguous float32 CPU cache")
-            table = torch.tensor([[k.data_ptr(), v.data_ptr(), s] for k, v, s in zip(cache.k, cache.v, cache.slots)],
-                                 dtype=torch.int64)
+                if (k.dtype not in lowbit.CACHE_DTYPES or v.dtype != k.dtype
+                        or any(not t.is_contiguous() or t.device.type != "cpu" for t in (k, v))):
+                    raise ValueError("the low-bit step needs a contiguous float32 or float16 CPU cache")
+            table = torch.tensor([[k.data_ptr(), v.data_ptr(), s, int(k.dtype == torch.float16)]
+                                  for k, v, s in zip(cache.k, cache.v, cache.slots)], dtype=torch.int64)
             self._tables[cache] = table
         return table
 

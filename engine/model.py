@@ -470,8 +470,12 @@ class LaneModel(nn.Module):
         self.cos, self.sin = rope_tables(cfg, cfg.max_position_embeddings, self.device)
         self.lowbit = not isinstance(self.layers[0].wqkv, Tensor) if self.layers else False
         self.fused_step = None
+        self.kv_dtype = self.dtype  # what the KV cache holds
         if self.lowbit:  # packed weights (kernels.lowbit): fused low-bit decode blocks
             from laneplay.engine import lowbit_step
+            from laneplay.kernels import lowbit
+
+            self.kv_dtype = lowbit.KV_DTYPE
 
             self.attention_block, self.mlp_block = lowbit_step.decode_blocks(cfg)
             # one lane in one process: the whole step is one C call
@@ -496,8 +500,12 @@ class LaneModel(nn.Module):
         L, B, S, _ = x.shape
         q, k, v = project_qkv(x, w.wqkv, self.cos[pos:pos + S], self.sin[pos:pos + S], cfg)
         window = cfg.window(i)
+        if cache is not None and cache.k[i].dtype != k.dtype:
+            # a narrower cache (float16 on the low-bit path): the chunk attends to its own keys and values
+            # as the cache will hold them, as every later token does
+            k, v = k.to(cache.k[i].dtype).to(k.dtype), v.to(cache.v[i].dtype).to(v.dtype)
         if cache is not None and not window and x.device.type == "cpu":
-            past = (cache.k[i][:, :, :pos], cache.v[i][:, :, :pos]) if pos > 0 else None
+            past = (cache.k[i][:, :, :pos].to(k.dtype), cache.v[i][:, :, :pos].to(v.dtype)) if pos > 0 else None
             o = chunk_attention(q, k, v, past)
             cache.k[i][:, :, pos:pos + S] = k  # full-attention layers: slot = position
             cache.v[i][:, :, pos:pos + S] = v
@@ -521,15 +529,15 @@ class LaneModel(nn.Module):
         q_pos = torch.arange(pos, pos + S, device=dev)
         if pos > 0:
             filled = min(pos, slots)
-            k_all = torch.cat([kc[:, :, :filled], k], dim=2)
-            v_all = torch.cat([vc[:, :, :filled], v], dim=2)
+            k_all = torch.cat([kc[:, :, :filled].to(k.dtype), k], dim=2)
+            v_all = torch.cat([vc[:, :, :filled].to(v.dtype), v], dim=2)
             k_pos = torch.cat([_slot_positions(pos, slots, dev)[:filled], q_pos])
         else:
             k_all, v_all, k_pos = k, v, q_pos
         keep = q_pos[-slots:]  # a ring keeps only the last W positions
         idx = keep % slots if window else keep
-        kc.index_copy_(2, idx, k[:, :, -len(keep):])
-        vc.index_copy_(2, idx, v[:, :, -len(keep):])
+        kc.index_copy_(2, idx, k[:, :, -len(keep):].to(kc.dtype))
+        vc.index_copy_(2, idx, v[:, :, -len(keep):].to(vc.dtype))
         if pos == 0 and (not window or S <= window):
             return k_all, v_all, None  # plain causal over the chunk itself: the fused kernel
         return k_all, v_all, _attention_mask(q_pos, k_pos, window)
@@ -749,4 +757,4 @@ class LaneModel(nn.Module):
 
     def new_cache(self, batch: int, max_seq_len: int | None = None, spare: int = 0) -> KVCache:
         return KVCache(self.cfg, len(self.lanes), batch, max_seq_len or self.cfg.max_position_embeddings,
-                       self.dtype, self.device, spare)
+                       self.kv_dtype, self.device, spare)

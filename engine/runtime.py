@@ -14,7 +14,8 @@ import torch
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 # Weight-only low-bit paths (CPU, `kernels.lowbit`): projections packed as int8 or 4-bit blocks, the LM
-# head as int8, everything else (activations, KV cache, norms) float32.
+# head as int8, the KV cache float16 (`kernels.lowbit.KV_DTYPE`), everything else (activations, norms)
+# float32.
 LOWBIT = ("int4", "int8")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16", *LOWBIT)
 # What "auto" picks on the CPU at world size 1 when the low-bit kernels are built, chosen by measurement
@@ -70,8 +71,17 @@ class Runtime:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        """The dtype activations, the KV cache and unpacked weights use."""
+        """The dtype activations and unpacked weights use (and the KV cache, but on low-bit paths)."""
         return torch.float32 if self.dtype in LOWBIT else DTYPES[self.dtype]
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype the KV cache holds: the activations' dtype, or float16 on the low-bit paths."""
+        if self.dtype in LOWBIT:
+            from laneplay.kernels import lowbit
+
+            return lowbit.KV_DTYPE
+        return self.torch_dtype
 
     @property
     def weight_format(self) -> str | None:

@@ -1185,6 +1185,24 @@ AVX2_FN static inline __m256 exp_avx2(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+/* the largest of x[0..n) (exact in any order: -inf for n = 0) */
+AVX2_FN static float max_avx2(const float *x, int64_t n) {
+    __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0;
+    int64_t t = 0;
+    for (; t + 16 <= n; t += 16) {
+        m0 = _mm256_max_ps(m0, _mm256_loadu_ps(x + t));
+        m1 = _mm256_max_ps(m1, _mm256_loadu_ps(x + t + 8));
+    }
+    for (; t + 8 <= n; t += 8) m0 = _mm256_max_ps(m0, _mm256_loadu_ps(x + t));
+    m0 = _mm256_max_ps(m0, m1);
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m0), _mm256_extractf128_ps(m0, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    float mx = _mm_cvtss_f32(m4);
+    for (; t < n; t++) mx = x[t] > mx ? x[t] : mx;
+    return mx;
+}
+
 /* sc[t] = exp(sc[t] - mx) for t < n; returns their sum. */
 AVX2_FN static float softmax_exp_avx2(float *sc, int64_t n, float mx) {
     __m256 m = _mm256_set1_ps(mx), acc = _mm256_setzero_ps();
@@ -1239,16 +1257,14 @@ AVX2_FN static void values_avx2(float *o, const float *e, const float *V, int64_
         _mm256_storeu_ps(o + j, a0);
     }
 }
-#endif
 
-#ifdef LP_X86
-#define SCORES_AVX2 scores_avx2
-#define VALUES_AVX2 values_avx2
-#define SOFTMAX_EXP_AVX2 softmax_exp_avx2
-#else
-#define SOFTMAX_EXP_AVX2(sc, n, mx) 0.0f
-#define SCORES_AVX2 scores_generic
-#define VALUES_AVX2 values_generic
+/* n floats into float16 cache entries, rounded to nearest even (as torch's .half() rounds) */
+AVX2_FN static void store_f16_avx2(uint16_t *dst, const float *x, int64_t n) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        _mm_storeu_si128((__m128i *)(dst + j), _mm256_cvtps_ph(_mm256_loadu_ps(x + j), _MM_FROUND_TO_NEAREST_INT));
+    for (; j < n; j++) dst[j] = f2h(x[j]);
+}
 #endif
 
 static void scores_generic(const float *q, const float *K, int64_t n, int64_t hd, float scale, float *sc) {
@@ -1259,6 +1275,28 @@ static void values_generic(float *o, const float *e, const float *V, int64_t n, 
     for (int64_t t = 0; t < n; t++) axpy_f32(o, e[t], V + t * hd, hd);
 }
 
+#define MAX_HD 512 /* the longest head attend() takes */
+
+/* float16 cache entries widened to float32 (exact) */
+static void widen_f16(const uint16_t *x, int64_t n, float *out) {
+    for (int64_t j = 0; j < n; j++) out[j] = h2f(x[j]);
+}
+
+static void store_f16(uint16_t *dst, const float *x, int64_t n) {
+    for (int64_t j = 0; j < n; j++) dst[j] = f2h(x[j]);
+}
+
+#ifdef LP_X86
+#define SOFTMAX_EXP_AVX2 softmax_exp_avx2
+#define MAX_AVX2 max_avx2
+#else
+#define SOFTMAX_EXP_AVX2(sc, n, mx) 0.0f
+#define MAX_AVX2(x, n) 0.0f
+#define scores_avx2 scores_generic
+#define values_avx2 values_generic
+#define store_f16_avx2 store_f16
+#endif
+
 static void rope(float *v, const float *cos, const float *sin, int64_t hd) {  /* interleaved pairs */
     for (int64_t t = 0; t < hd / 2; t++) {
         float x0 = v[2 * t], x1 = v[2 * t + 1];
@@ -1267,64 +1305,70 @@ static void rope(float *v, const float *cos, const float *sin, int64_t hd) {  /*
     }
 }
 
-/* attend(N, hq, hkv, hd, qkv, cos, sin, kc, vc, slots, slot, nvis, out)
+/* attend(N, hq, hkv, hd, qkv, cos, sin, kc, vc, slots, slot, nvis, out, half)
  * qkv: float32 [N, (hq + 2 hkv) hd] (this token's projections; q and k are rotated in place);
- * kc, vc: float32 [N, hkv, slots, hd]; the token goes to `slot`, then each query head attends over
- * slots [0, nvis) (exactly the visible keys: a ring buffer holds the last W positions in some
- * order, and attention does not depend on the order). out: float32 [N, hq hd].
- * Work is split over (sequence, KV head, stretch of slots); the stretches are merged by their
- * log-sum-exp (flash-decoding), so one long sequence still uses every thread. */
+ * kc, vc: [N, hkv, slots, hd], float32, or float16 with `half` (the token's k and v are rounded to
+ * nearest even as they are stored, every key and value read back widened); the token goes to `slot`,
+ * then each query head attends over slots [0, nvis) (exactly the visible keys: a ring buffer holds the
+ * last W positions in some order, and attention does not depend on the order). out: float32 [N, hq hd].
+ * Work is split over (sequence, KV head, stretch of slots): see attend_cut. */
 typedef struct {
     int64_t N, hq, hkv, hd, slots, slot, nvis;
-    float *qkv, *kc, *vc, *out;
+    float *qkv;
+    void *kc, *vc; /* float, or uint16_t (float16) with half */
+    float *out;
     const float *cos, *sin;
+    int half;
 } attend_t;
 
-/* How an attention is cut for `nthreads` threads: `parts` stretches of `span` slots per (sequence,
- * KV head), and the floats its scratch needs: per (unit, part, query head of the group) the running
- * max, sum and weighted values, then one row of scores per thread. */
+/* How an attention is cut: per (sequence, KV head), `parts` stretches of ATT_STRETCH slots from slot 0,
+ * each with its own max, sum of exponentials and weighted values, merged by their log-sum-exp
+ * (flash-decoding), so one long sequence still uses every thread. The stretches do not depend on the
+ * thread count, and every attention on one cache (a verify's positions) has the same stretches, so a
+ * stretch's keys and values are read once for all of them. `floats`: its partial results, per (unit,
+ * part, query head of the group): the max, the sum and the weighted values. */
+#define ATT_STRETCH 128
+#define ATT_BLOCK 16 /* keys a block: read (and widened from float16) once for every query that sees them */
 typedef struct {
-    int64_t parts, span;
+    int64_t parts;
     size_t floats;
-    /* set by attend_share: the group's work items (sequence, KV head, stretch), the first group on the same
-     * cache and where its partials go; on that first group, the last group on its cache and the most
-     * items any of them has */
-    int64_t items, head, off, last, most;
+    /* set by attend_share: the first group on the same cache (the head) and where this one's partials go;
+     * on the head: the last group on its cache, the most parts any of them has, and how many there are */
+    int64_t head, off, last, most, groups;
 } attend_cut_t;
 
-static attend_cut_t attend_cut(const attend_t *at, int nthreads) {
+static attend_cut_t attend_cut(const attend_t *at) {
     int64_t units = at->N * at->hkv, rep = at->hq / at->hkv;
-    attend_cut_t c = {1, 0, 0, 0, 0, 0, 0, 0};
-    while (units * c.parts < 2 * nthreads && at->nvis / (c.parts * 2) >= 64) c.parts *= 2;
-    c.span = (at->nvis + c.parts - 1) / c.parts;
-    c.floats = (size_t)(units * c.parts * rep * (at->hd + 2) + nthreads * c.span * rep);
+    attend_cut_t c = {(at->nvis + ATT_STRETCH - 1) / ATT_STRETCH, 0, 0, 0, 0, 0, 0};
+    c.floats = (size_t)(units * c.parts * rep * (at->hd + 2));
     return c;
 }
 
-/* The scores a thread keeps for a stretch: one row per query head of a KV head. */
-static int64_t attend_row(const attend_t *at, const attend_cut_t *cut) { return cut->span * (at->hq / at->hkv); }
+/* A thread's own floats for one stretch of a head group: each group's scores (a row of ATT_STRETCH per
+ * query head), then a block of keys and one of values widened to float32. */
+static int64_t attend_row(const attend_t *at, const attend_cut_t *head) {
+    return head->groups * (at->hq / at->hkv) * ATT_STRETCH + 2 * ATT_BLOCK * at->hd;
+}
 
 static int64_t attend_work(const attend_t *at) { return at->N * at->hkv * at->nvis * at->hd; }
 
-/* The scratch floats for G attentions run in one team: each one's partial results, then one row of
- * scores per thread, as long as the longest stretch. */
+/* The scratch floats for G attentions run in one team (after attend_share): each one's partial results,
+ * then each thread's row, as long as the longest. */
 static size_t attend_scratch(const attend_t *ats, const attend_cut_t *cuts, int64_t G, int nthreads) {
     size_t parts = 0;
     int64_t row = 0;
     for (int64_t g = 0; g < G; g++) {
-        parts += cuts[g].floats - (size_t)nthreads * (size_t)attend_row(ats + g, cuts + g);
-        row = attend_row(ats + g, cuts + g) > row ? attend_row(ats + g, cuts + g) : row;
+        parts += cuts[g].floats;
+        if (cuts[g].head == g && attend_row(ats + g, cuts + g) > row) row = attend_row(ats + g, cuts + g);
     }
     return parts + (size_t)nthreads * (size_t)row;
 }
 
-/* G attentions' cuts, told which groups read the same cache (a verify's positions, all one request's)
- * and where each group's partial results go in the scratch. */
+/* G attentions' cuts, told which groups read the same cache and where each group's partials go. */
 static void attend_share(const attend_t *ats, attend_cut_t *cuts, int64_t G) {
     size_t off = 0;
     for (int64_t g = 0; g < G; g++) {
         attend_cut_t *c = cuts + g;
-        c->items = ats[g].N * ats[g].hkv * c->parts;
         c->head = g;
         for (int64_t e = 0; e < g; e++)
             if (ats[e].kc == ats[g].kc) {
@@ -1333,9 +1377,10 @@ static void attend_share(const attend_t *ats, attend_cut_t *cuts, int64_t G) {
             }
         attend_cut_t *h = cuts + c->head;
         h->last = g;
-        h->most = c->head == g || c->items > h->most ? c->items : h->most;
+        h->most = c->head == g || c->parts > h->most ? c->parts : h->most;
+        h->groups = c->head == g ? 1 : h->groups + 1;
         c->off = (int64_t)off;
-        off += (size_t)(c->items * (ats[g].hq / ats[g].hkv) * (ats[g].hd + 2));
+        off += c->floats;
     }
 }
 
@@ -1346,67 +1391,261 @@ static int clip(int64_t lo, int64_t up, int64_t base, int64_t n, int64_t *a, int
     return *a < *b;
 }
 
-/* Work item w of one attention (a sequence, a KV head, a stretch of slots): for each query head of the
- * KV head, the stretch's max score, its sum of exponentials and its exp-weighted values, into part
- * (this attention's partial results); sc: a row of scores per query head, each `span` long. */
-static void attend_stretch(const attend_t *at, const attend_cut_t *cut, float *part, int64_t w, float *sc, int fast) {
-    const int64_t hq = at->hq, hkv = at->hkv, hd = at->hd, slots = at->slots, nvis = at->nvis;
-    const int64_t rep = hq / hkv, width = (hq + 2 * hkv) * hd, parts = cut->parts, span = cut->span;
-    int f = fast && hd % 8 == 0;
-    float scale = 1.0f / sqrtf((float)hd);
-    int64_t unit = w / parts, p = w % parts, n = unit / hkv, kh = unit % hkv;
-    int64_t t0 = p * span, t1 = t0 + span < nvis ? t0 + span : nvis;
-    const float *K = at->kc + (n * hkv + kh) * slots * hd, *V = at->vc + (n * hkv + kh) * slots * hd;
-    const float *q = at->qkv + n * width + kh * rep * hd;
-    const int64_t m = t1 - t0;
-    /* The query heads of the KV head take the stretch a block at a time, so each block of keys (and
-     * then of values) comes into the core's nearest cache once for all of them. */
-    for (int64_t b0 = 0; b0 < m; b0 += 64)
-        for (int64_t r = 0; r < rep; r++)
-            (f ? SCORES_AVX2 : scores_generic)(q + r * hd, K + (t0 + b0) * hd, m - b0 < 64 ? m - b0 : 64, hd, scale,
-                                                sc + r * span + b0);
-    for (int64_t r = 0; r < rep; r++) {
-        float *res = part + ((unit * parts + p) * rep + r) * (hd + 2), *e = sc + r * span;
-        float mx = -INFINITY, sum = 0.0f;
-        for (int64_t t = 0; t < m; t++) mx = e[t] > mx ? e[t] : mx;
-        if (f) {
-            sum = SOFTMAX_EXP_AVX2(e, m, mx);
-        } else {
-            for (int64_t t = 0; t < m; t++) {
-                e[t] = expf(e[t] - mx);
-                sum += e[t];
-            }
-        }
-        memset(res + 2, 0, sizeof(float) * (size_t)hd);
-        res[0] = mx;
-        res[1] = sum;
-    }
-    for (int64_t b0 = 0; b0 < m; b0 += 32)
-        for (int64_t r = 0; r < rep; r++)
-            (f ? VALUES_AVX2 : values_generic)(part + ((unit * parts + p) * rep + r) * (hd + 2) + 2, sc + r * span + b0,
-                                               V + (t0 + b0) * hd, m - b0 < 32 ? m - b0 : 32, hd);
+#ifdef LP_X86
+AVX2_FN static void widen_f16_avx2(const uint16_t *x, int64_t n, float *out) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + j))));
+    for (; j < n; j++) out[j] = h2f(x[j]);
 }
 
-/* G attentions (one per group of a batched step, or one alone), each cut as attend_cut(.., nthreads)
- * cuts it, run by a team in three phases: every group's work items are shared out together, so a step
- * with many requests meets at three barriers per layer, not three per request. Called by each of the
- * nth threads (nth <= nthreads), with scratch of attend_scratch(.., nthreads) floats; returns when
- * every `out` is complete. A group's result does not depend on the others or on the thread count. */
+#define AVX512_FN __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512dq")))
+
+/* The sums of 16 accumulators' lanes, out[k] = a[k]'s, every one by the same tree: within each 128-bit
+ * lane (x0 + x2) + (x1 + x3), then across them (L0 + L2) + (L1 + L3). */
+AVX512_FN static inline __attribute__((always_inline)) __m512 hsum16x16(const __m512 *a) {
+    __m512 b[8], c[4];
+    for (int i = 0; i < 8; i++)
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    __m512 e01 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x44), _mm512_shuffle_f32x4(c[0], c[1], 0xEE));
+    __m512 e23 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x44), _mm512_shuffle_f32x4(c[2], c[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(e01, e23, 0x88), _mm512_shuffle_f32x4(e01, e23, 0xDD));
+}
+
+/* sc[k] = scale * q . K[k] for the 16 keys of a block (hd % 16 == 0): one product, then an FMA chain per
+ * key over the head, then hsum16x16. A key's score is the same operations wherever it sits in its block,
+ * and whichever queries read the block. */
+AVX512_FN static void scores512(const float *q, const float *K, int64_t hd, float scale, float *sc) {
+    if (hd == 64) { /* the same operations with the row offsets known to the compiler */
+        __m512 a[ATT_BLOCK], qv[4];
+        for (int j = 0; j < 4; j++) qv[j] = _mm512_loadu_ps(q + 16 * j);
+        for (int k = 0; k < ATT_BLOCK; k++) a[k] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(K + k * 64));
+        for (int j = 1; j < 4; j++)
+            for (int k = 0; k < ATT_BLOCK; k++) a[k] = _mm512_fmadd_ps(qv[j], _mm512_loadu_ps(K + k * 64 + 16 * j), a[k]);
+        _mm512_storeu_ps(sc, _mm512_mul_ps(hsum16x16(a), _mm512_set1_ps(scale)));
+        return;
+    }
+    __m512 a[ATT_BLOCK];
+    for (int k = 0; k < ATT_BLOCK; k++) a[k] = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(K + k * hd));
+    for (int64_t j = 16; j < hd; j += 16) {
+        __m512 qv = _mm512_loadu_ps(q + j);
+        for (int k = 0; k < ATT_BLOCK; k++) a[k] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(K + k * hd + j), a[k]);
+    }
+    _mm512_storeu_ps(sc, _mm512_mul_ps(hsum16x16(a), _mm512_set1_ps(scale)));
+}
+
+/* o[q][j] += sum_t e[q][t] * V[t][j] for t < n, for nq <= 4 query heads of 64 values: each column sums over
+ * t in order (as values512 does for one), the heads side by side so the FMA chains overlap. */
+AVX512_FN static void values512_64(int nq, float *const *o, const float *const *e, int64_t n, const float *V) {
+    __m512 a[4][4];
+    for (int q = 0; q < 4; q++)
+        for (int c = 0; c < 4; c++) a[q][c] = q < nq ? _mm512_loadu_ps(o[q] + 16 * c) : _mm512_setzero_ps();
+    for (int64_t t = 0; t < n; t++) {
+        __m512 v[4];
+        for (int c = 0; c < 4; c++) v[c] = _mm512_loadu_ps(V + t * 64 + 16 * c);
+        for (int q = 0; q < 4; q++) {
+            if (q >= nq) break;
+            __m512 w = _mm512_set1_ps(e[q][t]);
+            for (int c = 0; c < 4; c++) a[q][c] = _mm512_fmadd_ps(w, v[c], a[q][c]);
+        }
+    }
+    for (int q = 0; q < 4; q++)
+        if (q < nq)
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(o[q] + 16 * c, a[q][c]);
+}
+
+/* float16 cache entries widened to float32, 16 at a time */
+AVX512_FN static void widen_f16_512(const uint16_t *x, int64_t n, float *out) {
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16)
+        _mm512_storeu_ps(out + j, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(x + j))));
+    widen_f16_avx2(x + j, n - j, out + j);
+}
+
+/* the same for one query head of any hd % 16 == 0 up to MAX_HD */
+AVX512_FN static void values512(float *o, const float *e, int64_t n, const float *V, int64_t hd) {
+    for (int64_t j0 = 0; j0 < hd; j0 += 256) {
+        __m512 a[16];
+        int nc = (int)((hd - j0 < 256 ? hd - j0 : 256) / 16);
+        for (int c = 0; c < nc; c++) a[c] = _mm512_loadu_ps(o + j0 + 16 * c);
+        for (int64_t t = 0; t < n; t++) {
+            __m512 w = _mm512_set1_ps(e[t]);
+            for (int c = 0; c < nc; c++) a[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(V + t * hd + j0 + 16 * c), a[c]);
+        }
+        for (int c = 0; c < nc; c++) _mm512_storeu_ps(o + j0 + 16 * c, a[c]);
+    }
+}
+#define WIDEN_F16_FAST widen_f16_avx2
+#define WIDEN_F16_512 widen_f16_512
+#else
+#define WIDEN_F16_FAST widen_f16
+#define WIDEN_F16_512 widen_f16
+#endif
+
+/* Which attention loops run: 0 the generic C, 1 AVX2 (8 keys at a time), 2 AVX-512 (blocks of 16 keys)
+ * with the kernels that use AVX-512 for the products. A model's attention always takes one of them (it
+ * depends on the kernel and the head size only), so a row's result does not depend on its batch. */
+static int attend_level(int64_t hd);
+
+/* A block of cnt keys (or values) from a cache's element `at` on, as float32 rows of hd: the cache itself
+ * where it is float32 (and whole, with pad), else widened or copied into buf, and with pad zero-padded
+ * to ATT_BLOCK rows (the AVX-512 scores take whole blocks). */
+static const float *kv_block(const void *base, int half, int64_t at, int64_t cnt, int64_t hd, int level, int pad,
+                             float *buf) {
+    pad = pad && cnt < ATT_BLOCK;
+    if (!half && !pad) return (const float *)base + at;
+    if (half)
+        (level == 2 ? WIDEN_F16_512 : level ? WIDEN_F16_FAST : widen_f16)((const uint16_t *)base + at, cnt * hd, buf);
+    else
+        memcpy(buf, (const float *)base + at, sizeof(float) * (size_t)(cnt * hd));
+    if (pad) memset(buf + cnt * hd, 0, sizeof(float) * (size_t)((ATT_BLOCK - cnt) * hd));
+    return buf;
+}
+
+/* Keys (or values) [t, t1) of a stream asked for ahead of their use: a step reads each cache once, from
+ * memory, a stretch at a time, and the hardware's prefetchers see only short runs of it. */
+#ifndef ATT_AHEAD
+#define ATT_AHEAD 2 /* blocks */
+#endif
+static inline void kv_prefetch(const void *base, int half, int64_t kv0, int64_t t, int64_t t1, int64_t hd) {
+    const char *p = (const char *)base + (kv0 + t * hd) * (half ? 2 : 4);
+    for (int64_t l = 0, n = (t1 - t) * hd * (half ? 2 : 4); l < n; l += 64) __builtin_prefetch(p + l, 0, 3);
+}
+
+/* Work item w of a head group (the groups on one cache, from g0): a sequence, a KV head and a stretch of
+ * slots. For each of its groups that sees the stretch and each query head of the KV head: the stretch's
+ * max score, its sum of exponentials and its exp-weighted values, into that group's partial results.
+ * Keys and values come a block at a time for all of them. row: this thread's attend_row floats. */
+static void attend_item(const attend_t *ats, const attend_cut_t *cuts, int64_t g0, int64_t w, float *scratch,
+                        float *row, int level) {
+    const attend_t *a = ats + g0;
+    const attend_cut_t *h = cuts + g0;
+    const int64_t hq = a->hq, hkv = a->hkv, hd = a->hd, slots = a->slots, rep = hq / hkv;
+    const int64_t width = (hq + 2 * hkv) * hd, S = ATT_STRETCH;
+    const float scale = 1.0f / sqrtf((float)hd);
+    int64_t unit = w / h->most, p = w % h->most, n = unit / hkv, kh = unit % hkv, t0 = p * S, tmax = t0;
+    for (int64_t g = g0; g <= h->last; g++) {
+        if (cuts[g].head != g0) continue;
+        int64_t end = t0 + S < ats[g].nvis ? t0 + S : ats[g].nvis;
+        tmax = end > tmax ? end : tmax;
+    }
+    const int64_t kv0 = (n * hkv + kh) * slots * hd;
+    float *sc = row, *kb = row + h->groups * rep * S, *vb = kb + ATT_BLOCK * hd;
+    const int64_t ahead = ATT_AHEAD * ATT_BLOCK;
+    kv_prefetch(a->kc, a->half, kv0, t0, t0 + ahead < tmax ? t0 + ahead : tmax, hd);
+    kv_prefetch(a->vc, a->half, kv0, t0, t0 + ahead < tmax ? t0 + ahead : tmax, hd);
+    for (int64_t b = t0; b < tmax; b += ATT_BLOCK) {
+        int64_t cnt = tmax - b < ATT_BLOCK ? tmax - b : ATT_BLOCK;
+        if (b + ahead < tmax)
+            kv_prefetch(a->kc, a->half, kv0, b + ahead, b + ahead + ATT_BLOCK < tmax ? b + ahead + ATT_BLOCK : tmax, hd);
+        const float *K = kv_block(a->kc, a->half, kv0 + b * hd, cnt, hd, level, level == 2, kb);
+        for (int64_t g = g0, gi = 0; g <= h->last; g++) {
+            if (cuts[g].head != g0) continue;
+            float *s = sc + gi++ * rep * S + (b - t0);
+            if (ats[g].nvis <= b) continue;
+            const float *q = ats[g].qkv + n * width + kh * rep * hd;
+            for (int64_t r = 0; r < rep; r++) {
+#ifdef LP_X86
+                if (level == 2)
+                    scores512(q + r * hd, K, hd, scale, s + r * S);
+                else if (level == 1)
+                    scores_avx2(q + r * hd, K, cnt, hd, scale, s + r * S);
+                else
+#endif
+                    scores_generic(q + r * hd, K, cnt, hd, scale, s + r * S);
+            }
+        }
+    }
+    for (int64_t g = g0, gi = 0; g <= h->last; g++) {
+        if (cuts[g].head != g0) continue;
+        int64_t m = (t0 + S < ats[g].nvis ? t0 + S : ats[g].nvis) - t0;
+        float *e0 = sc + gi++ * rep * S;
+        if (m <= 0) continue;
+        for (int64_t r = 0; r < rep; r++) {
+            float *res = scratch + cuts[g].off + ((unit * cuts[g].parts + p) * rep + r) * (hd + 2), *e = e0 + r * S;
+            float mx = -INFINITY, sum = 0.0f;
+            if (level) {
+                mx = MAX_AVX2(e, m);
+                sum = SOFTMAX_EXP_AVX2(e, m, mx);
+            } else {
+                for (int64_t t = 0; t < m; t++) mx = e[t] > mx ? e[t] : mx;
+                for (int64_t t = 0; t < m; t++) {
+                    e[t] = expf(e[t] - mx);
+                    sum += e[t];
+                }
+            }
+            memset(res + 2, 0, sizeof(float) * (size_t)hd);
+            res[0] = mx;
+            res[1] = sum;
+        }
+    }
+    for (int64_t b = t0; b < tmax; b += ATT_BLOCK) {
+        int64_t cnt = tmax - b < ATT_BLOCK ? tmax - b : ATT_BLOCK;
+        if (b + ahead < tmax)
+            kv_prefetch(a->vc, a->half, kv0, b + ahead, b + ahead + ATT_BLOCK < tmax ? b + ahead + ATT_BLOCK : tmax, hd);
+        const float *V = kv_block(a->vc, a->half, kv0 + b * hd, cnt, hd, level, 0, vb);
+        for (int64_t g = g0, gi = 0; g <= h->last; g++) {
+            if (cuts[g].head != g0) continue;
+            const float *e = sc + gi++ * rep * S + (b - t0);
+            int64_t c = (t0 + S < ats[g].nvis ? t0 + S : ats[g].nvis) - b;
+            if (c <= 0) continue;
+            c = c < cnt ? c : cnt;
+            float *res = scratch + cuts[g].off + (unit * cuts[g].parts + p) * rep * (hd + 2);
+#ifdef LP_X86
+            if (level == 2 && hd == 64) {
+                for (int64_t r0 = 0; r0 < rep; r0 += 4) {
+                    float *o[4];
+                    const float *ev[4];
+                    int nq = (int)(rep - r0 < 4 ? rep - r0 : 4);
+                    for (int q = 0; q < nq; q++) {
+                        o[q] = res + (r0 + q) * (hd + 2) + 2;
+                        ev[q] = e + (r0 + q) * S;
+                    }
+                    values512_64(nq, o, ev, c, V);
+                }
+                continue;
+            }
+#endif
+            for (int64_t r = 0; r < rep; r++) {
+                float *o = res + r * (hd + 2) + 2;
+#ifdef LP_X86
+                if (level == 2)
+                    values512(o, e + r * S, c, V, hd);
+                else if (level == 1)
+                    values_avx2(o, e + r * S, V, c, hd);
+                else
+#endif
+                    values_generic(o, e + r * S, V, c, hd);
+            }
+        }
+    }
+}
+
+/* G attentions (one per group of a batched step, or one alone), cut by attend_cut and attend_share, run
+ * by a team in three phases: every group's work is shared out together, so a step with many requests
+ * meets at three barriers per layer, not three per request. Called by each of the nth threads (nth <=
+ * nthreads), with scratch of attend_scratch(.., nthreads) floats; returns when every `out` is complete. A
+ * group's result does not depend on the others or on the thread count. */
 static void attend_team_n(const attend_t *ats, const attend_cut_t *cuts, int64_t G, int nthreads, float *scratch,
                           int tid, int nth, team_t *team) {
     int64_t work = 0, n1 = 0, n2 = 0, n3 = 0, row = 0;
+    size_t own = 0;
     for (int64_t g = 0; g < G; g++) {
         const attend_t *at = ats + g;
         work += attend_work(at);
         n1 += at->N * (at->hq + at->hkv);
-        n2 += cuts[g].items;
         n3 += at->N * at->hq;
-        row = attend_row(at, cuts + g) > row ? attend_row(at, cuts + g) : row;
+        own += cuts[g].floats;
+        if (cuts[g].head == g) {
+            n2 += at->N * at->hkv * cuts[g].most;
+            row = attend_row(at, cuts + g) > row ? attend_row(at, cuts + g) : row;
+        }
     }
-    size_t own = 0;
-    for (int64_t g = 0; g < G; g++) own += cuts[g].floats - (size_t)nthreads * (size_t)attend_row(ats + g, cuts + g);
-    float *sc = scratch + own + row * tid;
-    int fast = DOT != dot_generic;  /* the AVX2 loops (the kernel choice covers them too) */
+    float *mine = scratch + own + row * tid;
+    int level = attend_level(ats[0].hd);
     int nw = work >= 8192 ? nth : 1;
     int64_t lo, up, a, b;
     if (tid < nw) {  /* RoPE on every q and k head; K/V into the slot */
@@ -1421,25 +1660,27 @@ static void attend_team_n(const attend_t *ats, const attend_cut_t *cuts, int64_t
                 rope(v, at->cos, at->sin, hd);
                 if (h >= hq) {
                     int64_t kh = h - hq, to = ((n * hkv + kh) * at->slots + at->slot) * hd;
-                    memcpy(at->kc + to, v, sizeof(float) * (size_t)hd);
-                    memcpy(at->vc + to, at->qkv + n * width + (hq + hkv + kh) * hd, sizeof(float) * (size_t)hd);
+                    const float *val = at->qkv + n * width + (hq + hkv + kh) * hd;
+                    if (at->half) {
+                        (level ? store_f16_avx2 : store_f16)((uint16_t *)at->kc + to, v, hd);
+                        (level ? store_f16_avx2 : store_f16)((uint16_t *)at->vc + to, val, hd);
+                    } else {
+                        memcpy((float *)at->kc + to, v, sizeof(float) * (size_t)hd);
+                        memcpy((float *)at->vc + to, val, sizeof(float) * (size_t)hd);
+                    }
                 }
             }
         }
     }
     team_sync(team, nth);
-    if (tid < nw) {  /* each stretch: its max, its sum of exponentials, its weighted values */
-        /* Groups that read one cache (a verify's positions) take their items stretch by stretch, all
-         * groups of a stretch together, so its keys and values come from memory once for all of them. */
+    if (tid < nw) {  /* each stretch of each cache: its groups' maxima, sums of exponentials, weighted values */
         share(n2, tid, nw, &lo, &up);
-        int64_t idx = 0;
-        for (int64_t g0 = 0; g0 < G && idx < up; g0++) {
-            if (cuts[g0].head != g0) continue;
-            for (int64_t w = 0; w < cuts[g0].most && idx < up; w++)
-                for (int64_t g = g0; g <= cuts[g0].last && idx < up; g++) {
-                    if (cuts[g].head != g0 || w >= cuts[g].items) continue;
-                    if (idx++ >= lo) attend_stretch(ats + g, cuts + g, scratch + cuts[g].off, w, sc, fast);
-                }
+        for (int64_t g = 0, base = 0; g < G; g++) {
+            if (cuts[g].head != g) continue;
+            int64_t items = ats[g].N * ats[g].hkv * cuts[g].most;
+            if (clip(lo, up, base, items, &a, &b))
+                for (int64_t w = a; w < b; w++) attend_item(ats, cuts, g, w, scratch, mine, level);
+            base += items;
         }
     }
     team_sync(team, nth);
@@ -1475,24 +1716,30 @@ static void attend_team_n(const attend_t *ats, const attend_cut_t *cuts, int64_t
     team_sync(team, nth);
 }
 
-static int attend_args_ok(int64_t hq, int64_t hkv, int64_t slots, int64_t slot, int64_t nvis) {
-    return nvis >= 1 && nvis <= slots && slot >= 0 && slot < slots && hkv >= 1 && hq % hkv == 0;
+static int attend_level(int64_t hd) {
+    if (DOT == dot_generic || hd % 8) return 0;
+    return TILE16 && hd % 16 == 0 ? 2 : 1; /* TILE16: the VNNI and AMX kernels, on CPUs with AVX-512 */
+}
+
+static int attend_args_ok(int64_t hq, int64_t hkv, int64_t hd, int64_t slots, int64_t slot, int64_t nvis) {
+    return nvis >= 1 && nvis <= slots && slot >= 0 && slot < slots && hkv >= 1 && hq % hkv == 0 && hd >= 1
+           && hd <= MAX_HD;
 }
 
 static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t a[13];
-    if (args_i64(args, nargs, 13, a) < 0) return NULL;
-    if (!attend_args_ok(a[1], a[2], a[9], a[10], a[11])) {
-        PyErr_SetString(PyExc_ValueError, "attend: bad slot, visible count or head counts");
+    int64_t a[14];
+    if (args_i64(args, nargs, 14, a) < 0) return NULL;
+    if (!attend_args_ok(a[1], a[2], a[3], a[9], a[10], a[11])) {
+        PyErr_SetString(PyExc_ValueError, "attend: bad slot, visible count, head size or head counts");
         return NULL;
     }
-    attend_t at = {a[0], a[1], a[2], a[3], a[9], a[10], a[11], (float *)(intptr_t)a[4], (float *)(intptr_t)a[7],
-                   (float *)(intptr_t)a[8], (float *)(intptr_t)a[12], (const float *)(intptr_t)a[5],
-                   (const float *)(intptr_t)a[6]};
+    attend_t at = {a[0], a[1], a[2], a[3], a[9], a[10], a[11], (float *)(intptr_t)a[4], (void *)(intptr_t)a[7],
+                   (void *)(intptr_t)a[8], (float *)(intptr_t)a[12], (const float *)(intptr_t)a[5],
+                   (const float *)(intptr_t)a[6], a[13] != 0};
     int nthreads = omp_get_max_threads();  /* the cut does not depend on how many threads run it */
-    attend_cut_t cut = attend_cut(&at, nthreads);
+    attend_cut_t cut = attend_cut(&at);
     attend_share(&at, &cut, 1);
-    float *scratch = (float *)malloc(sizeof(float) * cut.floats);
+    float *scratch = (float *)malloc(sizeof(float) * attend_scratch(&at, &cut, 1, nthreads));
     if (!scratch) return PyErr_NoMemory();
     team_t team = {0, 0};
     Py_BEGIN_ALLOW_THREADS
@@ -1577,21 +1824,22 @@ static double now_ms(void) {
 }
 
 /* A step's attention in one layer for one group of rows at position pos: c is the group's cache row
- * for the layer (k, v, slots); the token goes to slot pos % slots and sees min(pos + 1, slots) slots. */
+ * for the layer (k, v, slots, half: float16 buffers); the token goes to slot pos % slots and sees min(pos + 1, slots) slots. */
 static attend_t step_attention(const int64_t *c, int64_t B, int64_t hq, int64_t hkv, int64_t hd, int64_t pos,
                                float *qkv, float *o, const float *cos, const float *sin) {
     attend_t at = {B, hq, hkv, hd, c[2], pos % c[2], pos + 1 < c[2] ? pos + 1 : c[2], qkv,
-                   (float *)(intptr_t)c[0], (float *)(intptr_t)c[1], o, cos, sin};
+                   (void *)(intptr_t)c[0], (void *)(intptr_t)c[1], o, cos, sin, c[3] != 0};
     return at;
 }
 
 /* One group of a step: `rows` consecutive rows of h that share a KV cache and a position (one
  * request's samples). groups: int64 [G, GROUP]. */
 enum { GR_ROWS = 0, GR_POS = 1, GR_COS = 2, GR_SIN = 3, GR_CACHE = 4, GROUP = 5 };
+enum { CACHE_ROW = 4 }; /* a cache's row per layer: k, v, slots, half */
 
 static attend_t group_attention(const int64_t *gr, int64_t layer, int64_t hq, int64_t hkv, int64_t hd, float *qkv,
                                 float *o) {
-    const int64_t *c = (const int64_t *)(intptr_t)gr[GR_CACHE] + layer * 3;
+    const int64_t *c = (const int64_t *)(intptr_t)gr[GR_CACHE] + layer * CACHE_ROW;
     return step_attention(c, gr[GR_ROWS], hq, hkv, hd, gr[GR_POS], qkv, o, (const float *)(intptr_t)gr[GR_COS],
                           (const float *)(intptr_t)gr[GR_SIN]);
 }
@@ -1599,7 +1847,7 @@ static attend_t group_attention(const int64_t *gr, int64_t layer, int64_t hq, in
 /* step(plan, layers, groups, G, hq, hkv, hd, h, head, norm, logits, eps)
  * plan: int64 [layers, PLAN]: attn_norm, wqkv (fmt, L, N, K, Kp, qs, d, m, qt, dt, mt), wo (...), ffn_norm, w13, w2;
  * groups: int64 [G, GROUP]: each group's row count, position, cos/sin of that position ([hd/2] each)
- * and KV cache (int64 [layers, 3]: k, v, slots; the cache holds exactly the group's rows);
+ * and KV cache (int64 [layers, CACHE_ROW]: k, v, slots, half; the cache holds exactly the group's rows);
  * h: float32 [B, D] (B = all groups' rows, in group order), the residual (updated in place);
  * head: int64 [11] (as a weight in plan), norm: the final norm; logits: float32 [B, V].
  * The products run over all B rows at once (each row's result is the one it gets alone); the
@@ -1643,9 +1891,9 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             return NULL;
         }
         for (int64_t g = 0; g < G; g++) {
-            const int64_t *c = (const int64_t *)(intptr_t)groups[g * GROUP + GR_CACHE] + i * 3;
+            const int64_t *c = (const int64_t *)(intptr_t)groups[g * GROUP + GR_CACHE] + i * CACHE_ROW;
             attend_t at = c[2] >= 1 ? group_attention(groups + g * GROUP, i, hq, hkv, hd, NULL, NULL) : (attend_t){0};
-            if (!attend_args_ok(hq, hkv, at.slots, at.slot, at.nvis)) {
+            if (!attend_args_ok(hq, hkv, hd, at.slots, at.slot, at.nvis)) {
                 PyErr_Format(PyExc_ValueError, "step: layer %lld of group %lld does not fit the plan", (long long)i,
                              (long long)g);
                 free(ats);
@@ -1666,7 +1914,7 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         attend_t *at = ats + i * G;
         for (int64_t g = 0; g < G; g++) {
             at[g] = group_attention(groups + g * GROUP, i, hq, hkv, hd, NULL, NULL);
-            cuts[i * G + g] = attend_cut(at + g, nthreads);
+            cuts[i * G + g] = attend_cut(at + g);
         }
         attend_share(at, cuts + i * G, G);
         att = max_size(att, attend_scratch(at, cuts + i * G, G, nthreads));
@@ -1854,7 +2102,7 @@ static PyMethodDef METHODS[] = {
     {"linear", (PyCFunction)(void (*)(void))py_linear, METH_FASTCALL,
      "linear(fmt, L, N, K, Kp, M, qs, d, m, qt, dt, mt, x, y, pre, g, g_per_lane, eps)"},
     {"attend", (PyCFunction)(void (*)(void))py_attend, METH_FASTCALL,
-     "attend(N, hq, hkv, hd, qkv, cos, sin, kc, vc, slots, slot, nvis, out)"},
+     "attend(N, hq, hkv, hd, qkv, cos, sin, kc, vc, slots, slot, nvis, out, half)"},
     {"step", (PyCFunction)(void (*)(void))py_step, METH_FASTCALL,
      "step(plan, layers, groups, G, hq, hkv, hd, h, head, norm, logits, eps)"},
     {"kernel", py_kernel, METH_NOARGS, "the dot-product kernel in use"},

@@ -252,20 +252,32 @@ def tile_copy(w: PackedWeight) -> tuple[Tensor, Tensor, Tensor | None]:
     return qt, dt, mt
 
 
+# What a low-bit model's KV cache holds (`LaneModel.kv_dtype`). A decode step reads every cached key and
+# value once per token, so at long contexts and with many rows the cache's bytes are much of a step's
+# memory traffic: float16 halves them (at 1,000 positions on the default model a step's attention takes
+# ~3 ms of 7.4 from a float32 cache). llama.cpp keeps its cache in float16 by default too.
+KV_DTYPE = torch.float16
+CACHE_DTYPES = (torch.float32, torch.float16)
+
+
 def attend(qkv: Tensor, cos: Tensor, sin: Tensor, kc: Tensor, vc: Tensor, slot: int, n: int,
            heads: int, kv_heads: int) -> Tensor:
     """One decode token's attention, fused: qkv [N, (Hq + 2 Hkv) hd] float32 (q and k are rotated in
     place by cos/sin [hd/2] of this position, interleaved pairs), k and v written into slot `slot` of
-    kc/vc [N, Hkv, slots, hd], then every query head attends over slots [0, n). -> [N, Hq hd]."""
+    kc/vc [N, Hkv, slots, hd], then every query head attends over slots [0, n). -> [N, Hq hd].
+    The cache may be float32 or float16 (`KV_DTYPE`): k and v are then rounded to nearest even as they
+    are stored, and every key and value is read back widened, exactly."""
     N, hd, slots = qkv.shape[0], kc.shape[-1], kc.shape[2]
-    for t in (qkv, cos, sin, kc, vc):
+    for t in (qkv, cos, sin):
         if t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError("attend() takes contiguous float32 tensors")
+            raise ValueError("attend() takes contiguous float32 projections and rotations")
+    if kc.dtype not in CACHE_DTYPES or vc.dtype != kc.dtype or not (kc.is_contiguous() and vc.is_contiguous()):
+        raise ValueError(f"attend() takes a contiguous float32 or float16 cache, got {kc.dtype} and {vc.dtype}")
     if qkv.shape[1] != (heads + 2 * kv_heads) * hd or tuple(kc.shape) != (N, kv_heads, slots, hd):
         raise ValueError(f"attend(): qkv {list(qkv.shape)} and cache {list(kc.shape)} do not fit")
     out = torch.empty(N, heads * hd, dtype=torch.float32)
     _lowbit.attend(N, heads, kv_heads, hd, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), kc.data_ptr(),
-                   vc.data_ptr(), slots, int(slot), int(n), out.data_ptr())
+                   vc.data_ptr(), slots, int(slot), int(n), out.data_ptr(), int(kc.dtype == torch.float16))
     return out
 
 
@@ -277,7 +289,7 @@ def step(plan: Tensor, table: Tensor, groups: int, heads: int, kv_heads: int, he
     head . rmsnorm(h). The operands are int64 tables of pointers (the caller keeps their tensors alive):
     plan [layers, 34], per layer: the attention norm, `desc()` of wqkv and of wo, the MLP norm, `desc()` of
     w13 and of w2; table [groups, 5] per group of rows: rows, position, cos and sin of that position, and its cache
-    table [layers, 3] (k buffer, v buffer, slots); head: the head's `desc()`; norm: the final norm."""
+    table [layers, 4] (k buffer, v buffer, slots, 1 for a float16 cache); head: the head's `desc()`; norm: the final norm."""
     require()
     for t in (h, logits, norm):
         if t.dtype != torch.float32 or not t.is_contiguous():

@@ -242,9 +242,11 @@ def test_long_prompt_chunks_run_as_float_gemms_on_the_unpacked_weights(tmp_path,
     """From gemm_min_rows rows on, a product is one float GEMM on the unpacked weight: a prompt then
     prefills like the unpacked reference up to float rounding, with no activation quantization at all
     (its K/V are the same bits with 8- or 16-bit codes, which only the last row's head product takes),
-    and the decode after it still runs the integer kernels within their bound."""
+    and the decode after it still runs the integer kernels within their bound. The packed model keeps
+    float16 K/V, so the prompt's logits are compared with the reference's over a float16 cache too."""
     _, low, ref = models(tmp_path, name, fmt)
     ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(3))
+    assert low.kv_dtype == lowbit.KV_DTYPE == torch.float16 and ref.kv_dtype == torch.float32
 
     def kv_with(bits: int):
         lowbit.activation_bits(bits)
@@ -253,9 +255,12 @@ def test_long_prompt_chunks_run_as_float_gemms_on_the_unpacked_weights(tmp_path,
 
     before, bits = lowbit.gemm_min_rows(12), lowbit.activation_bits()
     try:
-        lr, cr = ref.prefill(ids, 1, 40)
+        ref.kv_dtype = low.kv_dtype  # the prompt's keys and values rounded as the packed model's cache holds them
+        lr, _ = ref.prefill(ids, 1, 40)
+        ref.kv_dtype = torch.float32
         ll, cl = low.prefill(ids, 1, 40)
         assert torch.allclose(ll, lr, rtol=1e-4, atol=1e-4 * float(lr.abs().max()))
+        cr = ref.prefill(ids, 1, 40)[1]
         a, b = ref.decode(ids[:, -1:], 24, cr), low.decode(ids[:, -1:], 24, cl)
         assert close(b, a, a.abs().max())
         assert all(torch.equal(x, y) for x, y in zip(kv_with(8), kv_with(16)))

@@ -301,9 +301,9 @@ def _reference(qkv, cos, sin, kc, vc, slot, n, hq, hkv):
     q, k, v = qkv.view(N, hq + 2 * hkv, hd).split([hq, hkv, hkv], dim=1)
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
     kc, vc = kc.clone(), vc.clone()
-    kc[:, :, slot], vc[:, :, slot] = k, v
+    kc[:, :, slot], vc[:, :, slot] = k, v  # rounded to the cache's dtype, then read back widened
     rep = hq // hkv
-    keys, vals = kc[:, :, :n].repeat_interleave(rep, 1), vc[:, :, :n].repeat_interleave(rep, 1)
+    keys, vals = kc[:, :, :n].float().repeat_interleave(rep, 1), vc[:, :, :n].float().repeat_interleave(rep, 1)
     s = torch.einsum("nhd,nhtd->nht", q, keys) / math.sqrt(hd)
     out = torch.einsum("nht,nhtd->nhd", s.softmax(-1), vals)
     return out.reshape(N, hq * hd), kc, vc, torch.cat([q, k], 1).reshape(N, -1)
@@ -316,18 +316,23 @@ def _reference(qkv, cos, sin, kc, vc, slot, n, hq, hkv):
     (1, 6, 2, 64, 1024, 999, 1000),  # long: split along the sequence and merged
     (3, 2, 1, 12, 300, 150, 300),  # head dim not a multiple of 8: the portable loops
     (1, 2, 1, 16, 257, 0, 257),    # wrapped ring: the new key lands in slot 0 of a full cache
+    (1, 9, 3, 64, 300, 128, 129),  # one key past a stretch of 128 slots
+    (2, 4, 2, 128, 40, 16, 17),    # one key past a block of 16, a longer head
+    (1, 2, 1, 24, 50, 30, 31),     # head dim a multiple of 8, not of 16: the AVX2 loops on any kernel
 ])
-def test_attend_matches_torch(kernel, N, hq, hkv, hd, slots, slot, n):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32-cache", "f16-cache"])
+def test_attend_matches_torch(kernel, N, hq, hkv, hd, slots, slot, n, dtype):
     torch.manual_seed(6)
     qkv = torch.randn(N, (hq + 2 * hkv) * hd)
     ang = torch.rand(hd // 2) * 6
     cos, sin = ang.cos(), ang.sin()
-    kc, vc = torch.randn(N, hkv, slots, hd), torch.randn(N, hkv, slots, hd)
+    kc, vc = torch.randn(N, hkv, slots, hd).to(dtype), torch.randn(N, hkv, slots, hd).to(dtype)
     ref, ref_k, ref_v, rotated = _reference(qkv, cos, sin, kc, vc, slot, n, hq, hkv)
     work = qkv.clone()
     out = lowbit.attend(work, cos, sin, kc, vc, slot, n, hq, hkv)
     assert torch.allclose(out, ref, rtol=1e-4, atol=1e-5), float((out - ref).abs().max())
-    assert torch.allclose(kc, ref_k, atol=1e-6) and torch.allclose(vc, ref_v, atol=1e-6)  # only the slot changed
+    assert kc.dtype == vc.dtype == dtype
+    assert torch.equal(kc, ref_k) and torch.equal(vc, ref_v)  # only the slot changed, rounded as torch rounds
     assert torch.allclose(work[:, :(hq + hkv) * hd], rotated, atol=1e-6)  # q and k rotated in place
 
 
@@ -360,6 +365,10 @@ def test_attend_refuses_bad_slots_and_shapes():
         lowbit.attend(qkv.clone(), cs, cs, kc, kc.clone(), 0, 1, 3, 1)
     with pytest.raises(ValueError, match="contiguous float32"):
         lowbit.attend(qkv.double(), cs, cs, kc, kc.clone(), 0, 1, 2, 1)
+    with pytest.raises(ValueError, match="float16 cache"):
+        lowbit.attend(qkv.clone(), cs, cs, kc.bfloat16(), kc.bfloat16(), 0, 1, 2, 1)
+    with pytest.raises(ValueError, match="float16 cache"):
+        lowbit.attend(qkv.clone(), cs, cs, kc, kc.half(), 0, 1, 2, 1)
 
 
 @pytest.mark.parametrize("k", [32, 70, 576, 1536])
