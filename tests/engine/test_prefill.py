@@ -5,6 +5,7 @@ import torch
 from laneplay.engine import SamplingParams, load_engine
 from laneplay.engine.checkpoint import random_laneformer_tensors, tiny_laneformer_config, write_checkpoint
 from laneplay.engine.model import kv_cache_bytes, request_kv_bytes
+from laneplay.kernels import lowbit
 
 PROMPT = list(range(3, 43))  # 40 tokens: several chunks, and past the sliding window (8)
 
@@ -72,14 +73,21 @@ def test_dtp_ranks_chunk_and_stop_together(ckpt):
         eng.close()
 
 
-def test_kv_bytes_match_what_the_cache_allocates(ckpt):
-    eng = load_engine(ckpt)
+@pytest.mark.parametrize("dtype,kv", [("float32", torch.float32), ("int4", torch.float16)])
+def test_kv_bytes_match_what_the_cache_allocates(ckpt, dtype, kv):
+    """The low-bit paths keep their KV cache in float16; the budget counts what the cache holds."""
+    if dtype == "int4" and not lowbit.available():
+        pytest.skip("the low-bit kernels are not built here")
+    eng = load_engine(ckpt, dtype=dtype)
+    assert eng.runtime.kv_dtype == eng.model.kv_dtype == kv
+    size = kv.itemsize
     for batch, length in ((1, 5), (3, 40), (2, 128)):
         cache = eng.model.new_cache(batch, length)
+        assert all(t.dtype == kv for t in cache.k + cache.v)
         real = sum(t.numel() * t.element_size() for t in cache.k + cache.v)
-        assert kv_cache_bytes(eng.cfg, eng.cfg.num_lanes, batch, length, 4) == real
-    one = kv_cache_bytes(eng.cfg, eng.cfg.num_lanes, 1, 64, 4)
-    assert request_kv_bytes(eng.cfg, 1, 64, 4) == one and request_kv_bytes(eng.cfg, 4, 64, 4) == 5 * one
+        assert kv_cache_bytes(eng.cfg, eng.cfg.num_lanes, batch, length, size) == real
+    one = kv_cache_bytes(eng.cfg, eng.cfg.num_lanes, 1, 64, size)
+    assert request_kv_bytes(eng.cfg, 1, 64, size) == one and request_kv_bytes(eng.cfg, 4, 64, size) == 5 * one
 
 
 def test_the_kv_budget_refuses_before_any_work(ckpt, monkeypatch):
