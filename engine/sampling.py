@@ -396,6 +396,12 @@ def _top2_in_c(logits: Tensor) -> bool:
     return logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and lowbit.available()
 
 
+def top_two_per_row(logits: Tensor) -> bool:
+    """Whether `top_two` of one row at a time costs only that row (the C pass on the host); on a GPU each
+    call is a sync, and all rows at once is cheaper."""
+    return _top2_in_c(logits)
+
+
 def top_two(logits: Tensor) -> tuple[Tensor, Tensor]:
     """Each row's two most likely tokens and their logits, best first: (ids [n, 2], logits [n, 2]); ties go
     to the lower id, as argmax takes them."""

@@ -1357,7 +1357,9 @@ typedef struct {
  * thread count, and every attention on one cache (a verify's positions) has the same stretches, so a
  * stretch's keys and values are read once for all of them. `floats`: its partial results, per (unit,
  * part, query head of the group): the max, the sum and the weighted values. */
+#ifndef ATT_STRETCH
 #define ATT_STRETCH 128
+#endif
 #define ATT_BLOCK 16 /* keys a block: read (and widened from float16) once for every query that sees them */
 typedef struct {
     int64_t parts;

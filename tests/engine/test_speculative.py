@@ -445,3 +445,28 @@ def test_a_kept_draft_that_ends_the_request_ends_the_verify_and_the_counts_add_u
     assert out == [5, 2] and spec.draft_tokens == 3 and spec.accepted_tokens == 1
     spec2 = Speculation("lookup", [1, 2, 3], SamplingParams(temperature=0.0))
     assert spec2.accept(logits, drafts, torch.Generator()) == [5, 2, 7, 9] and spec2.accepted_tokens == 3
+
+
+@pytest.mark.parametrize("per_row", [True, False], ids=["row-by-row", "all-rows"])
+def test_greedy_acceptance_reads_rows_up_to_the_first_rejection_and_counts_near_ties(monkeypatch, per_row):
+    """On the host the top two come a row at a time and stop at the first rejected draft; elsewhere all
+    rows at once. Both keep the same drafts, take the same correction and count the same near ties (top
+    two within rounding) over the rows read."""
+    import laneplay.engine.speculative as speculative
+
+    monkeypatch.setattr(speculative, "top_two_per_row", lambda logits: per_row)
+    gen = torch.Generator().manual_seed(4)
+    for trial in range(40):
+        k = 1 + trial % 6
+        logits = torch.randn(k + 1, 300, generator=gen)
+        best = logits.argmax(-1).tolist()
+        cut = trial % (k + 1)  # drafts agree up to here
+        drafts = [best[j] if j < cut else (best[j] + 1) % 300 for j in range(k)]
+        tie = trial % 3 == 0  # a near tie in a row that is read
+        if tie:
+            logits[0, (best[0] + 7) % 300] = logits[0, best[0]] - 1e-7 * abs(float(logits[0, best[0]]))
+        spec = Speculation("lookup", [1, 2, 3], SamplingParams(temperature=0.0))
+        out = spec.accept(logits, drafts, torch.Generator())
+        assert out == drafts[:cut] + [best[cut]]
+        assert spec.accepted_tokens == cut and spec.draft_tokens == k
+        assert spec.near_ties == int(tie)
