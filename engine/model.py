@@ -502,8 +502,10 @@ class LaneModel(nn.Module):
         window = cfg.window(i)
         if cache is not None and cache.k[i].dtype != k.dtype:
             # a narrower cache (float16 on the low-bit path): the chunk attends to its own keys and values
-            # as the cache will hold them, as every later token does
-            k, v = k.to(cache.k[i].dtype).to(k.dtype), v.to(cache.v[i].dtype).to(v.dtype)
+            # as the cache will hold them, as every later token does (clamped to its range, as the C
+            # attention stores a token's: an outlier saturates instead of becoming inf)
+            top = torch.finfo(cache.k[i].dtype).max
+            k, v = (t.clamp(-top, top).to(cache.k[i].dtype).to(t.dtype) for t in (k, v))
         if cache is not None and not window and x.device.type == "cpu":
             past = (cache.k[i][:, :, :pos].to(k.dtype), cache.v[i][:, :, :pos].to(v.dtype)) if pos > 0 else None
             o = chunk_attention(q, k, v, past)

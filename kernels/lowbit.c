@@ -37,6 +37,8 @@ enum { FMT_Q8 = 0, FMT_Q4 = 1 };
 /* bytes of one block of AMX_ROWS rows in a weight's tile copy (tile_pack) */
 static int64_t tile_bytes(int fmt) { return fmt == FMT_Q8 ? QK * AMX_ROWS : QK / 2 * AMX_ROWS; }
 
+#define F16_MAX 65504.0f /* the largest finite float16 */
+static inline float f16_range(float x) { return x < -F16_MAX ? -F16_MAX : x > F16_MAX ? F16_MAX : x; }
 static inline float h2f(uint16_t h) { _Float16 v; memcpy(&v, &h, 2); return (float)v; }
 static inline uint16_t f2h(float f) { _Float16 v = (_Float16)f; uint16_t h; memcpy(&h, &v, 2); return h; }
 
@@ -1280,12 +1282,16 @@ AVX2_FN static void values_avx2(float *o, const float *e, const float *V, int64_
     }
 }
 
-/* n floats into float16 cache entries, rounded to nearest even (as torch's .half() rounds) */
+/* n floats into float16 cache entries, clamped to float16's range (a NaN stays one) and rounded to nearest
+ * even, as the engine's prompt chunks store them (LaneModel.attention: clamp, then torch's .half()) */
 AVX2_FN static void store_f16_avx2(uint16_t *dst, const float *x, int64_t n) {
+    const __m256 hi = _mm256_set1_ps(F16_MAX), lo = _mm256_set1_ps(-F16_MAX);
     int64_t j = 0;
-    for (; j + 8 <= n; j += 8)
-        _mm_storeu_si128((__m128i *)(dst + j), _mm256_cvtps_ph(_mm256_loadu_ps(x + j), _MM_FROUND_TO_NEAREST_INT));
-    for (; j < n; j++) dst[j] = f2h(x[j]);
+    for (; j + 8 <= n; j += 8) {
+        __m256 v = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_loadu_ps(x + j)));  /* NaN: the second operand */
+        _mm_storeu_si128((__m128i *)(dst + j), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    }
+    for (; j < n; j++) dst[j] = f2h(f16_range(x[j]));
 }
 #endif
 
@@ -1305,7 +1311,7 @@ static void widen_f16(const uint16_t *x, int64_t n, float *out) {
 }
 
 static void store_f16(uint16_t *dst, const float *x, int64_t n) {
-    for (int64_t j = 0; j < n; j++) dst[j] = f2h(x[j]);
+    for (int64_t j = 0; j < n; j++) dst[j] = f2h(f16_range(x[j]));
 }
 
 static void swiglu_fast(const float *x, int64_t K, float *tmp) {

@@ -336,6 +336,21 @@ def test_attend_matches_torch(kernel, N, hq, hkv, hd, slots, slot, n, dtype):
     assert torch.allclose(work[:, :(hq + hkv) * hd], rotated, atol=1e-6)  # q and k rotated in place
 
 
+def test_a_float16_cache_saturates_outliers_instead_of_storing_inf(kernel):
+    """A key or value beyond float16's range is stored as its largest finite value (as the engine's prompt
+    chunks clamp theirs), so one outlier cannot turn every later score into inf or NaN."""
+    hq, hkv, hd, slots = 2, 1, 16, 8
+    qkv = torch.randn(1, (hq + 2 * hkv) * hd) * 0.1
+    qkv[0, hq * hd:hq * hd + 3] = torch.tensor([1e6, -1e6, 7e4])  # k, unrotated (cos 1, sin 0)
+    qkv[0, (hq + hkv) * hd] = 1e9  # v
+    cos, sin = torch.ones(hd // 2), torch.zeros(hd // 2)
+    kc, vc = torch.zeros(1, hkv, slots, hd, dtype=torch.float16), torch.zeros(1, hkv, slots, hd, dtype=torch.float16)
+    out = lowbit.attend(qkv.clone(), cos, sin, kc, vc, 2, 3, hq, hkv)
+    top = torch.finfo(torch.float16).max
+    assert kc[0, 0, 2, :3].tolist() == [top, -top, top] and vc[0, 0, 2, 0].item() == top
+    assert torch.isfinite(kc).all() and torch.isfinite(vc).all() and torch.isfinite(out).all()
+
+
 def test_attend_agrees_with_the_engine_attention():
     from laneplay.engine.model import apply_rope, decode_attention
 
