@@ -1303,8 +1303,6 @@ static void values_generic(float *o, const float *e, const float *V, int64_t n, 
     for (int64_t t = 0; t < n; t++) axpy_f32(o, e[t], V + t * hd, hd);
 }
 
-#define MAX_HD 512 /* the longest head attend() takes */
-
 /* float16 cache entries widened to float32 (exact) */
 static void widen_f16(const uint16_t *x, int64_t n, float *out) {
     for (int64_t j = 0; j < n; j++) out[j] = h2f(x[j]);
@@ -1503,7 +1501,7 @@ AVX512_FN static void widen_f16_512(const uint16_t *x, int64_t n, float *out) {
     widen_f16_avx2(x + j, n - j, out + j);
 }
 
-/* the same for one query head of any hd % 16 == 0 up to MAX_HD */
+/* the same for one query head of any hd % 16 == 0 (256 columns at a time in registers) */
 AVX512_FN static void values512(float *o, const float *e, int64_t n, const float *V, int64_t hd) {
     for (int64_t j0 = 0; j0 < hd; j0 += 256) {
         __m512 a[16];
@@ -1760,8 +1758,7 @@ static int attend_level(int64_t hd) {
 }
 
 static int attend_args_ok(int64_t hq, int64_t hkv, int64_t hd, int64_t slots, int64_t slot, int64_t nvis) {
-    return nvis >= 1 && nvis <= slots && slot >= 0 && slot < slots && hkv >= 1 && hq % hkv == 0 && hd >= 1
-           && hd <= MAX_HD;
+    return nvis >= 1 && nvis <= slots && slot >= 0 && slot < slots && hkv >= 1 && hq % hkv == 0 && hd >= 1;
 }
 
 static PyObject *py_attend(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {

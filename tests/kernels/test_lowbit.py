@@ -319,6 +319,7 @@ def _reference(qkv, cos, sin, kc, vc, slot, n, hq, hkv):
     (1, 9, 3, 64, 300, 128, 129),  # one key past a stretch of 128 slots
     (2, 4, 2, 128, 40, 16, 17),    # one key past a block of 16, a longer head
     (1, 2, 1, 24, 50, 30, 31),     # head dim a multiple of 8, not of 16: the AVX2 loops on any kernel
+    (1, 2, 1, 528, 40, 19, 20),    # a head longer than the 256 columns the value loops hold at once
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32-cache", "f16-cache"])
 def test_attend_matches_torch(kernel, N, hq, hkv, hd, slots, slot, n, dtype):
