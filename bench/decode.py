@@ -97,8 +97,9 @@ def hf_run(model, ids, new_tokens):
 
 
 def bytes_per_token(eng, prompt_len: int, new_tokens: int) -> dict:
-    """Weights read per decode step (all layers, final norm, the head, one embedding row) + mean KV,
-    as this engine holds them (float, half, or packed low-bit blocks with their scales)."""
+    """Weights read per decode step (all layers, final norm, the head, one embedding row), as this engine
+    holds them (float, half, or packed low-bit blocks with their scales), and the mean count of KV values
+    read (each engine's cache has its own element size)."""
     m = eng.model
     weights = sum(t.nbytes for lw in m.layers for t in vars(lw).values()) + m.norm.nbytes + m.head_weight.nbytes
     weights += m.embed.shape[1] * m.embed.element_size()
@@ -107,8 +108,7 @@ def bytes_per_token(eng, prompt_len: int, new_tokens: int) -> dict:
     mean_pos = prompt_len + new_tokens / 2
     float32 = sum(t.numel() for lw in m.layers for t in vars(lw).values()) + m.norm.numel() + m.head_weight.numel()
     float32 = 4 * (float32 + m.embed.shape[1])
-    return {"weights": weights, "float32_weights": float32, "kv_mean": values_per_pos * m.kv_dtype.itemsize * mean_pos,
-            "kv_values_mean": values_per_pos * mean_pos}
+    return {"weights": weights, "float32_weights": float32, "kv_values_mean": values_per_pos * mean_pos}
 
 
 def matvec_only_tps(eng, reps: int = 5) -> float:
@@ -294,8 +294,9 @@ def main(argv=None) -> int:
         b = bytes_per_token(own or first, len(prompts[pname]), args.new_tokens)
         # peers: llama.cpp reads the GGUF as shipped, transformers the weights dequantized to float32
         weights = b["weights"] if own is not None else gguf_bytes if name.startswith("llama.cpp") else b["float32_weights"]
-        # llama.cpp's cache is float16, transformers' float32
-        kv = b["kv_mean"] if own is not None else b["kv_values_mean"] * (2 if name.startswith("llama.cpp") else 4)
+        # ours as its model keeps it; llama.cpp's cache is float16, transformers' float32
+        kv_size = own.model.kv_dtype.itemsize if own is not None else 2 if name.startswith("llama.cpp") else 4
+        kv = b["kv_values_mean"] * kv_size
         tps = median([r["decode_tps"] for r in rs])
         rows.append({"engine": name, "prompt": pname, "prompt_tokens": len(prompts[pname]), "new": args.new_tokens,
                      "ttft_ms": median([r["ttft_ms"] for r in rs]), "decode_tps": tps,

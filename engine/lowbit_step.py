@@ -76,11 +76,7 @@ class DecodeStep:
         """The cache's buffers as the C step reads them, made once per cache (and forgotten with it)."""
         table = self._tables.get(cache)
         if table is None:
-            for k, v in zip(cache.k, cache.v):
-                if (k.dtype not in lowbit.CACHE_DTYPES or v.dtype != k.dtype
-                        or any(not t.is_contiguous() or t.device.type != "cpu" for t in (k, v))):
-                    raise ValueError("the low-bit step needs a contiguous float32 or float16 CPU cache")
-            table = torch.tensor([[k.data_ptr(), v.data_ptr(), s, int(k.dtype == torch.float16)]
+            table = torch.tensor([[k.data_ptr(), v.data_ptr(), s, lowbit.cache_half(k, v)]
                                   for k, v, s in zip(cache.k, cache.v, cache.slots)], dtype=torch.int64)
             self._tables[cache] = table
         return table

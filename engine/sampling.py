@@ -396,19 +396,17 @@ def _top2_in_c(logits: Tensor) -> bool:
     return logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2 and lowbit.available()
 
 
-def top_two_per_row(logits: Tensor) -> bool:
-    """Whether `top_two` of one row at a time costs only that row (the C pass on the host); on a GPU each
-    call is a sync, and all rows at once is cheaper."""
-    return _top2_in_c(logits)
-
-
-def top_two(logits: Tensor) -> tuple[Tensor, Tensor]:
-    """Each row's two most likely tokens and their logits, best first: (ids [n, 2], logits [n, 2]); ties go
-    to the lower id, as argmax takes them."""
+def top_two_rows(logits: Tensor):
+    """Row by row, as the caller reads them: (the most likely token, its logit, the second logit) of each
+    row of logits [n, V]; ties go to the lower id, as argmax takes them. On the host one C pass per row,
+    so rows the caller never reads cost nothing; elsewhere all rows at once (one sync)."""
     if _top2_in_c(logits):
-        return lowbit.top2(logits)
-    top = logits.topk(2, dim=-1)
-    return top.indices, top.values
+        for j in range(logits.shape[0]):
+            ids, top = lowbit.top2(logits[j:j + 1])
+            yield int(ids[0, 0]), *top[0].tolist()
+    else:
+        top = logits.topk(2, dim=-1)
+        yield from zip(top.indices[:, 0].tolist(), *top.values.T.tolist())
 
 
 def greedy_tokens(logits: Tensor) -> Tensor:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from laneplay.engine.sampling import SamplingParams, is_greedy, process_logits, top_two, top_two_per_row
+from laneplay.engine.sampling import SamplingParams, is_greedy, process_logits, top_two_rows
 
 MODES = ("auto", "off", "lookup")
 NGRAMS = (4, 3, 2, 1)  # n-gram lengths looked up, longest first
@@ -178,28 +178,16 @@ class Speculation:
         ends there; a kept draft that ends it counts as that step's own token, so decode steps plus accepted
         tokens stay the tokens after the first). Updates the counts and the controller."""
         k = len(drafts)
-        if self.greedy and top_two_per_row(logits):
-            # one C pass per row, up to the first row whose argmax is not its draft: the rows after it
-            # are never read (~0.05 ms a row on the default model's 49,152 logits)
+        if self.greedy:
+            # the rows up to the first whose argmax is not its draft; on the host the rows after it are
+            # never read (~0.05 ms a row on the default model's 49,152 logits)
             kept = 0
-            while True:
-                ids, top = top_two(logits[kept:kept + 1])
-                best, (v0, v1) = int(ids[0, 0]), top[0].tolist()
+            for best, v0, v1 in top_two_rows(logits.float()):
                 self.near_ties += int(abs(v0 - v1) <= 1e-5 * max(abs(v0), 1.0))
-                if kept < k and best == drafts[kept]:
-                    kept += 1
-                    continue
-                break
-            out = drafts[:kept] + [best]
-        elif self.greedy:
-            ids, top = top_two(logits.float())
-            best = ids[:, 0].tolist()
-            kept = 0
-            while kept < k and best[kept] == drafts[kept]:
+                if kept == k or best != drafts[kept]:
+                    break
                 kept += 1
-            gap = (top[: kept + 1, 0] - top[: kept + 1, 1]).abs()
-            self.near_ties += int((gap <= 1e-5 * top[: kept + 1, 0].abs().clamp_min(1.0)).sum())
-            out = drafts[:kept] + [best[kept]]
+            out = drafts[:kept] + [best]
         else:
             probs = process_logits(logits.float(), self.params).softmax(-1)
             out = []

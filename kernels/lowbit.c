@@ -852,7 +852,11 @@ static PyObject *py_unpack(PyObject *self, PyObject *const *args, Py_ssize_t nar
 /* What linear() does to each input row before quantizing it. */
 enum { PRE_NONE = 0, PRE_RMSNORM = 1, PRE_SWIGLU = 2 };
 
-static void swiglu_fast(const float *x, int64_t K, float *tmp);
+/* silu(gate) * up of one value, as every SwiGLU loop takes the values it does not vectorise */
+static inline float swiglu1(float gate, float up) { return gate / (1.0f + expf(-gate)) * up; }
+#ifdef LP_X86
+AVX2_FN static void swiglu_avx2(const float *x, int64_t K, float *tmp);
+#endif
 
 /* The row the product sees. RMSNorm: x * rsqrt(mean(x^2) + eps) * g (g one vector, or one per lane).
  * SwiGLU: the input row holds [gate | up] (2K values): silu(gate) * up; with `fast` (the kernels other
@@ -866,14 +870,13 @@ static const float *pre_row(int pre, const float *x, int64_t K, const float *g, 
         for (int64_t k = 0; k < K; k++) tmp[k] = (x[k] * r) * g[k];
         return tmp;
     }
+#ifdef LP_X86
     if (fast) {
-        swiglu_fast(x, K, tmp);
+        swiglu_avx2(x, K, tmp);
         return tmp;
     }
-    for (int64_t k = 0; k < K; k++) {
-        float gate = x[k];
-        tmp[k] = gate / (1.0f + expf(-gate)) * x[K + k];
-    }
+#endif
+    for (int64_t k = 0; k < K; k++) tmp[k] = swiglu1(x[k], x[K + k]);
     return tmp;
 }
 
@@ -1224,7 +1227,7 @@ AVX2_FN static void swiglu_avx2(const float *x, int64_t K, float *tmp) {
         __m256 s = _mm256_blendv_ps(r, _mm256_mul_ps(e, r), _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ));
         _mm256_storeu_ps(tmp + k, _mm256_mul_ps(_mm256_mul_ps(g, s), u));
     }
-    for (; k < K; k++) tmp[k] = x[k] / (1.0f + expf(-x[k])) * x[K + k];
+    for (; k < K; k++) tmp[k] = swiglu1(x[k], x[K + k]);
 }
 
 /* sc[t] = exp(sc[t] - mx) for t < n; returns their sum. */
@@ -1310,14 +1313,6 @@ static void widen_f16(const uint16_t *x, int64_t n, float *out) {
 
 static void store_f16(uint16_t *dst, const float *x, int64_t n) {
     for (int64_t j = 0; j < n; j++) dst[j] = f2h(f16_range(x[j]));
-}
-
-static void swiglu_fast(const float *x, int64_t K, float *tmp) {
-#ifdef LP_X86
-    swiglu_avx2(x, K, tmp);
-#else
-    for (int64_t k = 0; k < K; k++) tmp[k] = x[k] / (1.0f + expf(-x[k])) * x[K + k];
-#endif
 }
 
 #ifdef LP_X86
@@ -1551,6 +1546,9 @@ static inline void kv_prefetch(const void *base, int half, int64_t kv0, int64_t 
     for (int64_t l = 0, n = (t1 - t) * hd * (half ? 2 : 4); l < n; l += 64) __builtin_prefetch(p + l, 0, 3);
 }
 
+/* Where a group that sees nvis slots stops reading the stretch from t0: its end, at most the stretch's */
+static inline int64_t stretch_end(int64_t t0, int64_t nvis) { return t0 + ATT_STRETCH < nvis ? t0 + ATT_STRETCH : nvis; }
+
 /* Work item w of a head group (the groups on one cache, from g0): a sequence, a KV head and a stretch of
  * slots. For each of its groups that sees the stretch and each query head of the KV head: the stretch's
  * max score, its sum of exponentials and its exp-weighted values, into that group's partial results.
@@ -1565,7 +1563,7 @@ static void attend_item(const attend_t *ats, const attend_cut_t *cuts, int64_t g
     int64_t unit = w / h->most, p = w % h->most, n = unit / hkv, kh = unit % hkv, t0 = p * S, tmax = t0;
     for (int64_t g = g0; g <= h->last; g++) {
         if (cuts[g].head != g0) continue;
-        int64_t end = t0 + S < ats[g].nvis ? t0 + S : ats[g].nvis;
+        int64_t end = stretch_end(t0, ats[g].nvis);
         tmax = end > tmax ? end : tmax;
     }
     const int64_t kv0 = (n * hkv + kh) * slots * hd;
@@ -1597,7 +1595,7 @@ static void attend_item(const attend_t *ats, const attend_cut_t *cuts, int64_t g
     }
     for (int64_t g = g0, gi = 0; g <= h->last; g++) {
         if (cuts[g].head != g0) continue;
-        int64_t m = (t0 + S < ats[g].nvis ? t0 + S : ats[g].nvis) - t0;
+        int64_t m = stretch_end(t0, ats[g].nvis) - t0;
         float *e0 = sc + gi++ * rep * S;
         if (m <= 0) continue;
         for (int64_t r = 0; r < rep; r++) {
@@ -1626,7 +1624,7 @@ static void attend_item(const attend_t *ats, const attend_cut_t *cuts, int64_t g
         for (int64_t g = g0, gi = 0; g <= h->last; g++) {
             if (cuts[g].head != g0) continue;
             const float *e = sc + gi++ * rep * S + (b - t0);
-            int64_t c = (t0 + S < ats[g].nvis ? t0 + S : ats[g].nvis) - b;
+            int64_t c = stretch_end(t0, ats[g].nvis) - b;
             if (c <= 0) continue;
             c = c < cnt ? c : cnt;
             float *res = scratch + cuts[g].off + (unit * cuts[g].parts + p) * rep * (hd + 2);

@@ -257,7 +257,16 @@ def tile_copy(w: PackedWeight) -> tuple[Tensor, Tensor, Tensor | None]:
 # memory traffic: float16 halves them (at 1,000 positions on the default model a step's attention takes
 # ~3 ms of 7.4 from a float32 cache). llama.cpp keeps its cache in float16 by default too.
 KV_DTYPE = torch.float16
-CACHE_DTYPES = (torch.float32, torch.float16)
+
+
+def cache_half(kc: Tensor, vc: Tensor) -> int:
+    """What the C attention is told about a layer's K/V buffers: 1 for float16, 0 for float32; anything
+    else (another dtype, K and V apart, not contiguous, not on the host) is refused."""
+    if (kc.dtype not in (torch.float32, torch.float16) or vc.dtype != kc.dtype or kc.device.type != "cpu"
+            or vc.device.type != "cpu" or not (kc.is_contiguous() and vc.is_contiguous())):
+        raise ValueError(f"the low-bit attention takes a contiguous float32 or float16 cache on the host, got "
+                         f"{kc.dtype} and {vc.dtype} on {kc.device}")
+    return int(kc.dtype == torch.float16)
 
 
 def attend(qkv: Tensor, cos: Tensor, sin: Tensor, kc: Tensor, vc: Tensor, slot: int, n: int,
@@ -271,13 +280,12 @@ def attend(qkv: Tensor, cos: Tensor, sin: Tensor, kc: Tensor, vc: Tensor, slot: 
     for t in (qkv, cos, sin):
         if t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError("attend() takes contiguous float32 projections and rotations")
-    if kc.dtype not in CACHE_DTYPES or vc.dtype != kc.dtype or not (kc.is_contiguous() and vc.is_contiguous()):
-        raise ValueError(f"attend() takes a contiguous float32 or float16 cache, got {kc.dtype} and {vc.dtype}")
+    half = cache_half(kc, vc)
     if qkv.shape[1] != (heads + 2 * kv_heads) * hd or tuple(kc.shape) != (N, kv_heads, slots, hd):
         raise ValueError(f"attend(): qkv {list(qkv.shape)} and cache {list(kc.shape)} do not fit")
     out = torch.empty(N, heads * hd, dtype=torch.float32)
     _lowbit.attend(N, heads, kv_heads, hd, qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), kc.data_ptr(),
-                   vc.data_ptr(), slots, int(slot), int(n), out.data_ptr(), int(kc.dtype == torch.float16))
+                   vc.data_ptr(), slots, int(slot), int(n), out.data_ptr(), half)
     return out
 
 

@@ -452,9 +452,11 @@ def test_greedy_acceptance_reads_rows_up_to_the_first_rejection_and_counts_near_
     """On the host the top two come a row at a time and stop at the first rejected draft; elsewhere all
     rows at once. Both keep the same drafts, take the same correction and count the same near ties (top
     two within rounding) over the rows read."""
-    import laneplay.engine.speculative as speculative
+    import laneplay.engine.sampling as sampling
 
-    monkeypatch.setattr(speculative, "top_two_per_row", lambda logits: per_row)
+    if per_row and not sampling._top2_in_c(torch.zeros(1, 2)):
+        pytest.skip("the low-bit kernels are not built here: the rows come from torch, all at once")
+    monkeypatch.setattr(sampling, "_top2_in_c", lambda logits: per_row)
     gen = torch.Generator().manual_seed(4)
     for trial in range(40):
         k = 1 + trial % 6
