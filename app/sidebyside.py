@@ -114,7 +114,8 @@ def engine_requests(ours: bool, mode: str, code: str, instruction: str, shared: 
 
 def with_column_speculation(body: dict, on: bool) -> dict:
     """A column's speculation: "lookup" for a greedy column (it drafts even while the other columns share
-    the engine's steps, where "auto" would take plain rows; greedy keeps its tokens either way), "auto" for
+    the engine's steps, where "auto" drafts only in steps where every column drafts; greedy keeps its tokens
+    either way), "auto" for
     a sampled one (which then runs plain: "auto" speculates greedy requests only), or "off"."""
     greedy = float(body.get("temperature", 1.0)) < 1e-5 or body.get("top_k") == 1  # as the engine decides
     mode = ("lookup" if greedy else "auto") if on else "off"

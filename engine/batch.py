@@ -98,14 +98,9 @@ class Sequence:
 
     def drafts(self, shared: bool = False) -> list[int]:
         """This step's prompt-lookup drafts (empty: it takes a plain row). shared: other requests decode in
-        this step; then "auto" takes a plain row ("lookup" always drafts). Draft rows pay where a step
-        waits on memory, as a request alone does; beside other requests the step is arithmetic-bound and
-        a draft row costs what it saves: four requests of 128 greedy tokens on the embedded default (int4,
-        2 cores) drafting beside each other kept 91% of their drafts and still finished no sooner than
-        with plain rows. Greedy tokens are the same either way."""
-        if shared and self.spec.mode == "auto":
-            return []
-        return self.spec.drafts(room(self.spec, self.produced, self.params.max_tokens, self.cache))
+        this step; then "auto" drafts only while the request keeps most of its drafts
+        (`Speculation.drafts`). Greedy tokens are the same either way."""
+        return self.spec.drafts(room(self.spec, self.produced, self.params.max_tokens, self.cache), shared)
 
     def joins(self, drafts: list[int]) -> bool:
         """Whether the verify of these drafts may run as rows of a shared step."""
@@ -172,13 +167,22 @@ def decode_step(runner, seqs: list[Sequence]) -> list[list[GenerationEvent]]:
     (`decode_groups`: a verify of k drafts is k + 1 one-token groups at consecutive positions of its
     cache); a verify that cannot join runs as a forward of its own. Either way a sequence's tokens are
     the ones it gets alone. A shared step takes at most STEP_ROWS rows: the drafts share what the
-    requests' own rows leave, the first draft of each request before anyone's second (`share_rows`)."""
+    requests' own rows leave, the first draft of each request before anyone's second (`share_rows`).
+    "auto" drafts beside other requests only in a step where every one of them drafts: a request that
+    does not waits for every row of every step, so its time would pay for the others' drafts (four
+    separate prompts at once, two of them repetitive, finished no sooner with the two drafting, eight
+    6% later); where all draft, all gain (engine.speculative.SHARED_KEEP)."""
     shared = len(seqs) > 1
     drafts = [s.drafts(shared) for s in seqs]
     joined = [s.joins(d) for s, d in zip(seqs, drafts)]
     if shared:
-        free = STEP_ROWS - sum(s.n for s in seqs)
-        for i, k in enumerate(share_rows([len(d) if j else 0 for d, j in zip(drafts, joined)], free)):
+        own = sum(s.n for s in seqs)
+        wants = [len(d) if j else 0 for d, j in zip(drafts, joined)]
+        auto = [s.spec.control.auto for s in seqs]
+        # "auto" drafts only where every request in the step drafts (see SHARED_KEEP), "lookup" in any step
+        got = share_rows([w if a else 0 for w, a in zip(wants, auto)], STEP_ROWS - own if all(wants) else 0)
+        more = share_rows([0 if a else w for w, a in zip(wants, auto)], STEP_ROWS - own - sum(got))
+        for i, k in enumerate(g + m for g, m in zip(got, more)):
             if joined[i]:
                 drafts[i] = drafts[i][:k]
                 joined[i] = k > 0

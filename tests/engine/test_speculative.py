@@ -15,8 +15,8 @@ from laneplay.engine.checkpoint import (load_weights, open_checkpoint, random_la
                                         tiny_laneformer_config, write_checkpoint)
 from laneplay.engine.model import LaneModel
 from laneplay.engine.sampling import process_logits
-from laneplay.engine.speculative import (K_MAX, MATCH_MAX, NGRAMS, Controller, Lookup, Speculation, check_mode,
-                                         draw, plan, trusted)
+from laneplay.engine.speculative import (K_MAX, MATCH_MAX, NGRAMS, SHARE_DECAY, SHARED_KEEP, Controller, Lookup,
+                                         Speculation, check_mode, draw, plan, trusted)
 from tests.engine.naive_reference import naive_logits
 
 
@@ -60,13 +60,10 @@ def test_lookup_on_code_proposes_the_rest_of_a_copied_line_and_says_how_long_the
 
 
 def test_auto_drafts_what_the_match_is_worth_and_follows_the_acceptance():
-    assert [trusted(m) for m in range(6)] == [0, 0, 2, 6, 8, 10] and trusted(MATCH_MAX) == K_MAX
+    assert [trusted(m) for m in range(6)] == [0, 0, 2, 2, 8, 10] and trusted(MATCH_MAX) == K_MAX
     ctl = Controller("auto")
     assert ctl.want(0) == 0 and ctl.want(1) == 0  # a one-token match: a draft is kept less often than a row costs
-    assert ctl.want(2) == 2 and ctl.want(MATCH_MAX) == 4  # the start: 4 at most
-    for _ in range(4):  # a run of kept drafts grows k to K_MAX
-        ctl.record(ctl.k, ctl.k)
-    assert ctl.want(MATCH_MAX) == K_MAX and ctl.want(3) == trusted(3)
+    assert ctl.want(2) == ctl.want(3) == 2 and ctl.want(MATCH_MAX) == K_MAX  # the start: what the match is worth
     ctl.record(K_MAX, 3)  # three kept: half of k is more than kept + 1
     assert ctl.k == K_MAX // 2
     ks = []
@@ -74,9 +71,50 @@ def test_auto_drafts_what_the_match_is_worth_and_follows_the_acceptance():
         ctl.record(ctl.k, 0)
         ks.append(ctl.k)
     assert ks == [K_MAX // 4, 1, 1]
+    for _ in range(4):  # a run of kept drafts grows k back to K_MAX
+        ctl.record(ctl.k, ctl.k)
+    assert ctl.want(MATCH_MAX) == K_MAX and ctl.want(4) == trusted(4)
     # "lookup" drafts on every match, even one token long
     always = Controller("lookup")
-    assert always.want(1) == 4 and always.want(0) == 0
+    assert always.want(1) == K_MAX and always.want(0) == 0
+
+
+def test_beside_others_auto_drafts_while_its_drafts_are_kept_and_resumes_where_the_text_repeats():
+    """A shared step: "auto" drafts while it keeps SHARED_KEEP of its drafts lately; below that it takes plain
+    rows, still checking its first draft against each token that comes, and drafts again once those are kept.
+    Alone, and in "lookup", it always drafts what the match is worth."""
+    line = list(range(100, 140))
+    params = SamplingParams(temperature=0.0)
+    spec = Speculation("auto", line + [7] + line, params)  # the line again: a long match
+    lookup = Speculation("lookup", line + [7] + line, params)
+    d = spec.drafts(room=16, shared=True)
+    assert spec.control.kept_share == 1.0 and d  # trusted until a verify is seen
+    assert lookup.drafts(room=16, shared=True) == d
+    spec.produced(spec.accept(_logits_for([999] * (len(d) + 1)), d, torch.Generator()))  # every draft rejected
+    assert spec.control.kept_share < SHARED_KEEP
+    # the text repeats again: plain rows beside others while the shadowed first drafts are kept
+    rounds = 0
+    for t in line:
+        d = spec.drafts(room=16, shared=True)
+        if d:
+            break
+        rounds += spec.lookup.draft(1)[1] >= 2  # alone it would draft here
+        spec.produced([t])
+    assert d == line[line.index(t):][:len(d)] and 1 <= rounds <= 8 and spec.control.kept_share >= SHARED_KEEP
+    assert spec.drafts(room=16) == d  # alone: what the match is worth
+    # what it weighs: kept over drafted, each earlier verify weighing SHARE_DECAY of the next
+    ctl = Controller("auto")
+    ctl.record(4, 0)
+    ctl.record(2, 2)
+    assert ctl.kept_share == pytest.approx((SHARE_DECAY ** 2 + 2) / (SHARE_DECAY ** 2 + 4 * SHARE_DECAY + 2))
+
+
+def _logits_for(tokens: list[int], vocab: int = 1000) -> torch.Tensor:
+    """Logits [len, vocab] whose argmax at row j is tokens[j]."""
+    logits = torch.zeros(len(tokens), vocab)
+    for j, t in enumerate(tokens):
+        logits[j, t] = 5.0
+    return logits
 
 
 def test_text_without_repeated_phrases_never_drafts_in_auto_but_does_in_lookup():
@@ -376,10 +414,10 @@ def test_speculating_rows_in_a_batch_get_the_tokens_they_get_alone(int4_default)
     assert jobs[2].finals[0].speculative == "off" and jobs[3].finals[0].draft_tokens == 0
 
 
-def test_verifies_join_the_shared_step_and_auto_takes_plain_rows_beside_others(int4_default, monkeypatch):
+def test_verifies_join_the_shared_step_and_auto_drafts_beside_others_while_they_are_kept(int4_default, monkeypatch):
     """On the fused low-bit path a verify's rows join the other requests' rows in one forward (at most
     STEP_ROWS in all) and give the tokens they give alone; where a verify cannot join it runs as a forward
-    of its own. Beside other requests "auto" takes plain rows (same greedy tokens), "lookup" drafts."""
+    of its own. Beside other requests "auto" drafts while it keeps most of its drafts, "lookup" always."""
     import asyncio
 
     from laneplay.engine.batch import STEP_ROWS, share_rows
@@ -422,9 +460,11 @@ def test_verifies_join_the_shared_step_and_auto_takes_plain_rows_beside_others(i
     assert calls["verify"] == 0 and all(rows <= STEP_ROWS for rows, _ in calls["groups"])
     assert any(rows > caches > 1 for rows, caches in calls["groups"])  # verify rows and others in one forward
 
+    calls["groups"].clear()
     jobs, results = asyncio.run(main(["auto", "auto", "auto"]))
     assert all(toks == {0: alone[0]} for toks, _ in results)
-    assert all(j.finals[0].draft_tokens < alone[1].draft_tokens for j in jobs)  # drafts only while alone
+    assert all(j.finals[0].accepted_tokens > 0 for j in jobs)  # the edit copies its code: kept drafts, beside others
+    assert any(rows > caches > 1 for rows, caches in calls["groups"])
 
     monkeypatch.setattr(runner, "verify_joins", lambda pos, S, cache: False)
     jobs, results = asyncio.run(main(["lookup", "auto"]))
