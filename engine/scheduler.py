@@ -31,7 +31,8 @@ Admission, stated as policy:
   request alone prefills as fast as ever.
 
 Generation is synchronous torch code, so it runs in this thread, never on the event loop; each event
-crosses over to the request's asyncio.Queue with one `call_soon_threadsafe`. A request whose client
+crosses over to the request's asyncio.Queue through its loop's mailbox (one `call_soon_threadsafe` for all
+the events that arrive before the loop runs). A request whose client
 went away is dropped if it is still waiting, or stopped at the next step boundary if it runs; one
 running past the time limit is stopped the same way (the server reports it as finished by "length").
 """
@@ -42,6 +43,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
@@ -64,6 +66,47 @@ PREFILL_SHARE = 0.75  # the most of the engine's time prompt chunks take while i
 
 class QueueFull(Exception):
     pass
+
+
+class _Mailbox:
+    """Events from the worker thread to one event loop, in order, with one wake-up of the loop for all that
+    arrive before it runs: a step's events for every request on that loop cost one wake-up, not one each
+    (each wake-up is a write to the loop's self-pipe, and the loop's thread then takes a core from the step)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.items, self.lock, self.waking = loop, [], threading.Lock(), False
+
+    def post(self, queue: asyncio.Queue, item) -> None:
+        with self.lock:
+            self.items.append((queue, item))
+            if self.waking:
+                return
+            self.waking = True
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is closed
+            with self.lock:
+                self.items.clear()
+                self.waking = False
+            raise
+
+    def _deliver(self) -> None:
+        with self.lock:
+            items, self.items, self.waking = self.items, [], False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
+_MAILBOXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_MAILBOXES_LOCK = threading.Lock()
+
+
+def _mailbox(loop: asyncio.AbstractEventLoop) -> _Mailbox:
+    with _MAILBOXES_LOCK:
+        box = _MAILBOXES.get(loop)
+        if box is None:
+            box = _MAILBOXES[loop] = _Mailbox(loop)
+        return box
 
 
 STARTED = object()  # pushed into a job's stream when the worker starts it (it was queued until then)
@@ -113,7 +156,7 @@ class Job:
     def push(self, item) -> None:
         """Called from the worker thread: hand one event (or the end, or an error) to the event loop."""
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+            _mailbox(self.loop).post(self.events, item)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             self.cancelled = True
 

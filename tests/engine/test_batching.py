@@ -444,3 +444,42 @@ def test_a_long_prompt_joining_takes_at_most_its_share_of_the_time(int4_engine, 
     assert got[0][0] == alone(eng, *streamer) and got[1][0] == alone(eng, *joiner)
     with pytest.raises(ValueError, match="prefill_share"):
         Scheduler(eng, prefill_share=0)
+
+
+def test_events_cross_to_the_loop_in_order_with_one_wake_up_for_a_steps_worth():
+    """The worker's events reach each job's queue in order; those that arrive before the loop runs share one
+    wake-up; a closed loop cancels the job instead of raising in the worker."""
+    from laneplay.engine.scheduler import Job
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        jobs = [Job([1], SamplingParams(), loop, seq=i) for i in range(3)]
+        wakes = []
+        real = loop.call_soon_threadsafe
+
+        def counted(cb, *args):
+            wakes.append(cb)
+            return real(cb, *args)
+
+        loop.call_soon_threadsafe = counted
+        def worker():
+            for step in range(5):
+                for j in jobs:
+                    j.push((j.seq, step))
+
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()  # the loop runs nothing meanwhile: every event arrives before it can
+        got = [[await asyncio.wait_for(j.events.get(), 5) for _ in range(5)] for j in jobs]
+        assert got == [[(j.seq, s) for s in range(5)] for j in jobs]
+        assert len(wakes) == 1
+        for j in jobs:
+            j.push("again")
+        assert [await j.events.get() for j in jobs] == ["again"] * 3 and len(wakes) == 2
+        return jobs[0]
+
+    loop = asyncio.new_event_loop()
+    job = loop.run_until_complete(main())
+    loop.close()
+    job.push("late")  # the loop is gone: nobody listens any more
+    assert job.cancelled
