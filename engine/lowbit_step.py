@@ -85,11 +85,11 @@ class DecodeStep:
         """tokens [B, 1] at position pos -> logits [B, V]; writes this position into the cache."""
         return self.groups(tokens, [(pos, cache)])
 
-    def groups(self, tokens: Tensor, groups: list) -> Tensor:
+    def groups(self, tokens: Tensor, groups: list, last_only: bool = False) -> Tensor:
         """One step for several sequences at once: groups [(pos, cache)], each cache holding its own
-        rows of tokens [B, 1] (in group order) at its own position -> logits [B, V]. The products run
-        over all B rows; each group's attention is the one it runs alone, so a row's logits do not
-        depend on the other groups."""
+        rows of tokens [B, 1] (in group order) at its own position -> logits [B, V] ([1, V]: the last
+        row's, with last_only). The products run over all B rows; each group's attention is the one it
+        runs alone, so a row's logits do not depend on the other groups."""
         B = tokens.shape[0]
         rows = [cache.k[0].shape[0] for _, cache in groups]
         if sum(rows) != B:
@@ -98,6 +98,6 @@ class DecodeStep:
                                self._table(cache).data_ptr()] for n, (pos, cache) in zip(rows, groups)],
                              dtype=torch.int64)
         h = torch.nn.functional.embedding(tokens.reshape(B), self.embed).float().contiguous()
-        logits = torch.empty(B, self.vocab, dtype=torch.float32)
+        logits = torch.empty(1 if last_only else B, self.vocab, dtype=torch.float32)
         return lowbit.step(self.plan, table, len(groups), self.hq, self.hkv, self.hd, h, self.head, self.norm,
-                           logits, self.eps)
+                           logits, self.eps, B - 1 if last_only else 0)

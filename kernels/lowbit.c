@@ -1877,19 +1877,21 @@ static attend_t group_attention(const int64_t *gr, int64_t layer, int64_t hq, in
                           (const float *)(intptr_t)gr[GR_SIN]);
 }
 
-/* step(plan, layers, groups, G, hq, hkv, hd, h, head, norm, logits, eps)
+/* step(plan, layers, groups, G, hq, hkv, hd, h, head, norm, logits, first, eps)
  * plan: int64 [layers, PLAN]: attn_norm, wqkv (fmt, L, N, K, Kp, qs, d, m, qt, dt, mt), wo (...), ffn_norm, w13, w2;
  * groups: int64 [G, GROUP]: each group's row count, position, cos/sin of that position ([hd/2] each)
  * and KV cache (int64 [layers, CACHE_ROW]: k, v, slots, half; the cache holds exactly the group's rows);
  * h: float32 [B, D] (B = all groups' rows, in group order), the residual (updated in place);
- * head: int64 [11] (as a weight in plan), norm: the final norm; logits: float32 [B, V].
+ * head: int64 [11] (as a weight in plan), norm: the final norm; logits: float32 [B - first, V], the logits of
+ * rows first..B-1 (a prompt's chunk needs its last row's only; a row's logits are the same either way).
  * The products run over all B rows at once (each row's result is the one it gets alone); the
  * attention runs per group, cut exactly as it is for that group alone. */
 static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t a[11];
-    if (args_i64(args, nargs - 1, 11, a) < 0) return NULL;
-    double eps = PyFloat_AsDouble(args[11]);
+    int64_t a[12];
+    if (args_i64(args, nargs - 1, 12, a) < 0) return NULL;
+    double eps = PyFloat_AsDouble(args[12]);
     if (eps == -1.0 && PyErr_Occurred()) return NULL;
+    const int64_t first = a[11];
     const int64_t *plan = (const int64_t *)(intptr_t)a[0], *groups = (const int64_t *)(intptr_t)a[2];
     int64_t layers = a[1], G = a[3], hq = a[4], hkv = a[5], hd = a[6], B = 0;
     float *h = (float *)(intptr_t)a[7];
@@ -1907,6 +1909,10 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
             return NULL;
         }
         B += gr[GR_ROWS];
+    }
+    if (first < 0 || first >= B) {
+        PyErr_Format(PyExc_ValueError, "step: logits from row %lld of %lld rows", (long long)first, (long long)B);
+        return NULL;
     }
     int nthreads = omp_get_max_threads();
     int64_t qkv_w = 0, o_w = 0, u_w = 0;
@@ -1987,8 +1993,8 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
                         &team);
             linear_team(&w2, B, u, h, PRE_SWIGLU, NULL, 0, e, 1, &ad, tid, nth, &team);
         }
-        act_t ah = act_at(buf, &head, B, PRE_RMSNORM, nthreads);
-        linear_team(&head, B, h, logits, PRE_RMSNORM, norm, 0, e, 0, &ah, tid, nth, &team);
+        act_t ah = act_at(buf, &head, B - first, PRE_RMSNORM, nthreads);
+        linear_team(&head, B - first, h + first * head.K, logits, PRE_RMSNORM, norm, 0, e, 0, &ah, tid, nth, &team);
     }
     Py_END_ALLOW_THREADS
     ladder_record(rung, now_ms() - t0);
@@ -2137,7 +2143,7 @@ static PyMethodDef METHODS[] = {
     {"attend", (PyCFunction)(void (*)(void))py_attend, METH_FASTCALL,
      "attend(N, hq, hkv, hd, qkv, cos, sin, kc, vc, slots, slot, nvis, out, half)"},
     {"step", (PyCFunction)(void (*)(void))py_step, METH_FASTCALL,
-     "step(plan, layers, groups, G, hq, hkv, hd, h, head, norm, logits, eps)"},
+     "step(plan, layers, groups, G, hq, hkv, hd, h, head, norm, logits, first, eps)"},
     {"kernel", py_kernel, METH_NOARGS, "the dot-product kernel in use"},
     {"step_threads", py_step_threads, METH_O, "step_threads(n): pin (n >= 1) or free (0) a step's threads"},
     {"activation_bits", py_activation_bits, METH_O, "activation_bits(8 | 16 | 0) -> the previous setting"},

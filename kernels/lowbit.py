@@ -290,9 +290,10 @@ def attend(qkv: Tensor, cos: Tensor, sin: Tensor, kc: Tensor, vc: Tensor, slot: 
 
 
 def step(plan: Tensor, table: Tensor, groups: int, heads: int, kv_heads: int, head_dim: int, h: Tensor,
-         head: Tensor, norm: Tensor, logits: Tensor, eps: float) -> Tensor:
+         head: Tensor, norm: Tensor, logits: Tensor, eps: float, first: int = 0) -> Tensor:
     """A whole decode step of a one-lane packed model in one C call, for rows h [B, D] (float32, their
-    embeddings; overwritten) -> logits [B, V] (written in place, returned). Every layer adds
+    embeddings; overwritten) -> logits [B - first, V] of rows first..B-1 (written in place, returned; a
+    row's logits are the same whichever rows get theirs). Every layer adds
     wo . attend(wqkv . rmsnorm(h)) and w2 . swiglu(w13 . rmsnorm(h)) to h; the logits are
     head . rmsnorm(h). The operands are int64 tables of pointers (the caller keeps their tensors alive):
     plan [layers, 34], per layer: the attention norm, `desc()` of wqkv and of wo, the MLP norm, `desc()` of
@@ -302,8 +303,10 @@ def step(plan: Tensor, table: Tensor, groups: int, heads: int, kv_heads: int, he
     for t in (h, logits, norm):
         if t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError("step() takes contiguous float32 rows, logits and norm")
+    if not 0 <= first < h.shape[0] or logits.shape[0] != h.shape[0] - first:
+        raise ValueError(f"step() writes the logits of rows {first}..{h.shape[0] - 1}, not {logits.shape[0]} rows")
     _lowbit.step(plan.data_ptr(), plan.shape[0], table.data_ptr(), int(groups), heads, kv_heads, head_dim,
-                 h.data_ptr(), head.data_ptr(), norm.data_ptr(), logits.data_ptr(), eps)
+                 h.data_ptr(), head.data_ptr(), norm.data_ptr(), logits.data_ptr(), int(first), eps)
     return logits
 
 

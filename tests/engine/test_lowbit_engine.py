@@ -89,7 +89,9 @@ def test_one_lane_models_decode_in_one_fused_step(tmp_path, fmt, overrides):
     assert isinstance(fused.fused_step, DecodeStep)
     ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(2))
     for n in (1, 3):
-        caches = [m.prefill(ids, n, 40)[1] for m in (fused, blocks, ref)]
+        # both packed models start from the per-block path's prompt cache (the fused model's own prefill runs
+        # as decode steps: test_a_fused_prefill_is_decode_steps_bit_for_bit)
+        caches = [m.prefill(ids, n, 40)[1] for m in (blocks, blocks, ref)]
         for pos in range(6, 30):
             tok = torch.tensor([[(5 * pos + 11 * i) % 256] for i in range(n)])
             a, b, r = (m.decode(tok, pos, c) for m, c in zip((fused, blocks, ref), caches))
@@ -100,6 +102,41 @@ def test_one_lane_models_decode_in_one_fused_step(tmp_path, fmt, overrides):
             assert torch.allclose(x, y, atol=1e-6)
     with pytest.raises(ValueError, match="sequences"):
         fused.decode(torch.zeros(2, 1, dtype=torch.long), 6, fused.prefill(ids, 1, 40)[1])
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("sliding_window", [None, 6])
+@torch.inference_mode()
+def test_a_fused_prefill_is_decode_steps_bit_for_bit(tmp_path, fmt, sliding_window, monkeypatch):
+    """On the fused one-lane path a prompt's chunks run as one-token groups of the C step: the prompt's cache
+    and last logits are bit for bit those of one decode step per token. Chunks that would wrap a ring, or end
+    past GROUPS_PREFILL_END, go through the per-layer path (within rounding of the same)."""
+    from laneplay.engine import model as model_mod
+
+    raw = tiny_laneformer_config(num_lanes=1, sliding_window=sliding_window)
+    cfg, src = open_checkpoint(write_checkpoint(tmp_path / "one", raw, random_laneformer_tensors(raw, seed=4)))
+    packed = lowbit.pack_weights(load_weights(cfg, src), fmt)
+    src.close()
+    m = LaneModel(cfg, packed)
+    ids = torch.randint(0, 256, (1, 11), generator=torch.Generator().manual_seed(5))
+    steps = m.new_cache(1, 40)
+    for p in range(11):
+        last = m.decode(ids[:, p:p + 1], p, steps)
+    calls = []
+    groups = m.fused_step.groups
+    monkeypatch.setattr(m.fused_step, "groups", lambda *a, **k: calls.append(len(a[1])) or groups(*a, **k))
+    logits, cache = next(s for s in m.prefill_steps(ids, 1, 40, chunk=4) if s is not None)
+    if sliding_window is None:  # chunks of 4, 4, 3 positions, each one C call
+        assert calls == [4, 4, 3]
+        assert torch.equal(logits, last)
+        assert all(torch.equal(x, y) for x, y in zip(cache.k + cache.v, steps.k + steps.v))
+    else:  # the window's ring (6 slots and spares) wraps: the chunks that reach it take the per-layer path
+        assert calls and all(n == 4 for n in calls) and len(calls) < 3
+        assert close(logits, last, last.abs().max())
+    calls.clear()
+    monkeypatch.setattr(model_mod, "GROUPS_PREFILL_END", 4)
+    logits, _ = next(s for s in m.prefill_steps(ids, 1, 40, chunk=4) if s is not None)
+    assert calls == [4] and close(logits, last, last.abs().max())
 
 
 @torch.inference_mode()
