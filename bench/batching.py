@@ -126,9 +126,11 @@ def long_prompt_joins(engine, prompt_tokens: int = 1500) -> dict:
             "holds": p99 <= 2 * alone_ms + chunk_ms}
 
 
-def beside_passn(engine, problems: int = 8, n: int = 8) -> dict:
-    """A pass@N-like run (per problem: greedy, then n samples; batch priority) while one Playground
-    request streams 128 tokens: its TTFT and tokens/s against the same request on an idle engine."""
+def beside_passn(engine, problems: int = 8, n: int = 8, requests: int = 5) -> dict:
+    """A pass@N-like run (per problem: greedy, then n samples; batch priority) while Playground requests
+    stream 128 tokens each, one after another (`requests` of them, a quarter second apart, so they land
+    on different moments of the run): their median TTFT and tokens/s against the same request on an idle
+    engine (median of three)."""
     from laneplay.evals.problems import select
 
     prompts = [p.prompt for p in select(f"humaneval:0-{problems}")]
@@ -136,7 +138,7 @@ def beside_passn(engine, problems: int = 8, n: int = 8) -> dict:
     async def go(url):
         async with engine_client(url) as http:
             body = {"prompt": PROMPTS[3], "max_tokens": 128}
-            idle = await timed_request(http, body)
+            idle = [await timed_request(http, body) for _ in range(3)]
 
             async def passn():
                 for p in prompts:
@@ -145,16 +147,25 @@ def beside_passn(engine, problems: int = 8, n: int = 8) -> dict:
                                              "seed": 0, "laneplay": {"priority": "batch"}}, chat=False)
 
             job = asyncio.create_task(passn())
-            await asyncio.sleep(2.0)
-            busy = await timed_request(http, body)
+            await asyncio.sleep(1.0)
+            busy = []
+            for _ in range(requests):
+                busy.append(await timed_request(http, body))
+                await asyncio.sleep(0.25)
+            still = not job.done()
             job.cancel()
-            return idle, busy
+            return idle, busy, still
 
     with InProcessServer(engine, 16) as url:
-        idle, busy = asyncio.run(go(url))
-    return {"problems": problems, "n": n, "idle_ttft_ms": idle["ttft_ms"], "busy_ttft_ms": busy["ttft_ms"],
-            "ttft_vs_idle": busy["ttft_ms"] / idle["ttft_ms"], "idle_tps": idle["tps"], "busy_tps": busy["tps"],
-            "tps_vs_idle": busy["tps"] / idle["tps"]}
+        idle, busy, still = asyncio.run(go(url))
+    med = statistics.median
+    out = {"problems": problems, "n": n, "requests": len(busy), "passn_running": still,
+           "idle_ttft_ms": med(r["ttft_ms"] for r in idle), "busy_ttft_ms": med(r["ttft_ms"] for r in busy),
+           "busy_ttft_max_ms": max(r["ttft_ms"] for r in busy),
+           "idle_tps": med(r["tps"] for r in idle), "busy_tps": med(r["tps"] for r in busy)}
+    out["ttft_vs_idle"] = out["busy_ttft_ms"] / out["idle_ttft_ms"]
+    out["tps_vs_idle"] = out["busy_tps"] / out["idle_tps"]
+    return out
 
 
 class InProcessServer:
@@ -200,6 +211,30 @@ async def _users(url: str, k: int, tokens: int) -> dict:
     return {"users": k, "ttft_min_ms": min(ttfts), "ttft_median_ms": statistics.median(ttfts),
             "ttft_max_ms": max(ttfts), "wall_s": wall, "slowest_alone_s": slowest, "wall_vs_slowest_alone": wall / slowest,
             "rows_per_step": max(c["server"].get("rows_per_step") or 0 for c in clients)}
+
+
+async def _copies(url: str, prompt: int, k: int, tokens: int) -> dict:
+    """One prompt alone, then k copies of it at once (the same request from k clients): the plainest
+    reading of "k requests at once against one alone", where every request is the one measured alone."""
+    async with engine_client(url) as http:
+        await timed_request(http, {"prompt": PROMPTS[prompt], "max_tokens": 4})  # warm
+        alone = await timed_request(http, {"prompt": PROMPTS[prompt], "max_tokens": tokens})
+        t0 = time.perf_counter()
+        clients = await asyncio.gather(*(timed_request(http, {"prompt": PROMPTS[prompt], "max_tokens": tokens})
+                                         for _ in range(k)))
+        wall = time.perf_counter() - t0
+    u = alone["usage"]
+    ttft = max(c["ttft_ms"] for c in clients)
+    return {"prompt": prompt, "users": k, "alone_ttft_ms": alone["ttft_ms"], "alone_s": alone["e2e_s"],
+            "acceptance": u["accepted_tokens"] / u["draft_tokens"] if u.get("draft_tokens") else None,
+            "ttft_max_ms": ttft, "wall_s": wall, "wall_vs_alone": wall / alone["e2e_s"],
+            "ttft_max_vs_alone": ttft / alone["ttft_ms"]}
+
+
+def copies(engine, prompts: int, k: int, tokens: int) -> list[dict]:
+    """`_copies` for each of the first `prompts` PROMPTS, on the batched engine."""
+    with InProcessServer(engine, 16) as url:
+        return [asyncio.run(_copies(url, i, k, tokens)) for i in range(prompts)]
 
 
 def concurrency(engine, users: list[int], tokens: int, modes: dict[str, int]) -> list[dict]:
@@ -248,6 +283,10 @@ USER_COLUMNS = [("engine", "engine", "s"), ("users", "users", "d"), ("ttft_min_m
                 ("ttft_max_vs_alone", "max x alone", ".2f"), ("wall_s", "wall s", ".2f"),
                 ("wall_vs_alone", "wall x alone", ".2f"), ("wall_vs_slowest_alone", "x its slowest alone", ".2f"),
                 ("rows_per_step", "rows/step", ".1f")]
+
+COPIES_COLUMNS = [("prompt", "prompt", "d"), ("acceptance", "drafts kept alone", ".2f"), ("alone_ttft_ms", "TTFT alone ms", ".0f"),
+                  ("ttft_max_ms", "max of 4 ms", ".0f"), ("alone_s", "alone s", ".2f"), ("wall_s", "4 at once s", ".2f"),
+                  ("wall_vs_alone", "x alone", ".2f")]
 
 
 def dtp_users(args, quiet) -> None:
@@ -304,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
                         {"one at a time": 1, "batched": 16})
     print(f"\nk clients at once, {args.tokens} greedy tokens each: client TTFT (send -> first text) and wall time")
     print_table(users, USER_COLUMNS)
+    same = copies(engine, 4, 4, args.tokens)
+    print(f"\nthe same request from 4 clients at once ({args.tokens} greedy tokens each) against it alone")
+    print_table(same, COPIES_COLUMNS)
     joins = long_prompt_joins(engine, args.join_tokens)
     print("\nthree requests decode while a long prompt joins: their time between tokens (TBT)")
     print_table([joins], [("prompt_tokens", "prompt", "d"), ("alone_ms_per_token", "alone ms/token", ".1f"),
@@ -311,9 +353,10 @@ def main(argv: list[str] | None = None) -> int:
                           ("tbt_p99_ms", "TBT p99", ".1f"), ("bound_ms", "2x alone + chunk", ".0f"),
                           ("joiner_ttft_ms", "its TTFT ms", ".0f")])
     beside = beside_passn(engine, args.passn_problems)
-    print(f"\na Playground request (128 tokens) while a pass@N run ({args.passn_problems} problems, N=8, batch "
-          "priority) works")
+    print(f"\n{beside['requests']} Playground requests (128 tokens each, one after another) while a pass@N run "
+          f"({args.passn_problems} problems, N=8, batch priority) works: medians")
     print_table([beside], [("idle_ttft_ms", "TTFT idle ms", ".0f"), ("busy_ttft_ms", "beside pass@N", ".0f"),
+                           ("busy_ttft_max_ms", "max", ".0f"),
                            ("ttft_vs_idle", "x idle", ".2f"), ("idle_tps", "tok/s idle", ".1f"),
                            ("busy_tps", "beside pass@N", ".1f"), ("tps_vs_idle", "x idle", ".2f")])
     prefix = prefix_reuse(engine)
@@ -322,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                            ("cold_ttft_ms", "cold TTFT ms", ".0f"), ("warm_ttft_ms", "reused TTFT ms", ".0f"),
                            ("warm_vs_cold", "reused / cold", ".2f")])
     path = write_json("batching", {"dtype": engine.runtime.dtype, "tokens": args.tokens, "quiet": quiet,
-                                   "step_costs": rows, "users": users, "long_prompt_joins": joins,
+                                   "step_costs": rows, "users": users, "copies": same, "long_prompt_joins": joins,
                                    "beside_passn": beside, "prefix_reuse": prefix}, args.out)
     print(f"wrote {path}")
     engine.close()

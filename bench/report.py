@@ -83,6 +83,14 @@ def batching_tables(d: dict) -> str:
     lines += [f"| {r['requests']} | {r['ms_per_step']:.1f} | {r['vs_one']:.2f} | {r['ms_per_row']:.2f} |"
               for r in d.get("step_costs") or []]
     lines += ["", f"k clients at once, {d.get('tokens')} greedy tokens each; TTFT from send:", "", *_users_table(d)]
+    same = d.get("copies")
+    if same:
+        lines += ["", f"The same request from {same[0]['users']} clients at once ({d.get('tokens')} greedy tokens each), "
+                  "against it alone (`auto` speculation; the share of drafts it keeps alone):", "",
+                  "| prompt | drafts kept alone | TTFT alone ms | last TTFT of the copies ms | alone s | copies s | × alone |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['prompt']} | {_f(r.get('acceptance'), '.2f')} | {r['alone_ttft_ms']:.0f} | {r['ttft_max_ms']:.0f} | "
+                  f"{r['alone_s']:.2f} | {r['wall_s']:.2f} | {r['wall_vs_alone']:.2f} |" for r in same]
     j = d.get("long_prompt_joins")
     if j:
         lines += ["", f"Three requests decoding while a {j['prompt_tokens']}-token prompt joins: their time between "
@@ -91,9 +99,12 @@ def batching_tables(d: dict) -> str:
                   f"long prompt's TTFT {j['joiner_ttft_ms']:.0f} ms."]
     b = d.get("beside_passn")
     if b:
-        lines += ["", f"A Playground request (128 tokens) while a pass@N-like run ({b.get('problems', 8)} problems, "
-                  f"N = {b.get('n', 8)}, batch priority) "
-                  f"works: TTFT {b['busy_ttft_ms']:.0f} ms ({b['ttft_vs_idle']:.2f} × idle), "
+        many = b.get("requests", 1)
+        lines += ["", (f"{many} Playground requests (128 tokens each, one after another)" if many > 1 else
+                       "A Playground request (128 tokens)") + f" while a pass@N-like run ({b.get('problems', 8)} "
+                  f"problems, N = {b.get('n', 8)}, batch priority) works: TTFT {b['busy_ttft_ms']:.0f} ms "
+                  + ("(median; " + _f(b.get("busy_ttft_max_ms"), ".0f") + " at most) " if many > 1 else "")
+                  + f"against {b['idle_ttft_ms']:.0f} idle ({b['ttft_vs_idle']:.2f} × idle), "
                   f"{b['busy_tps']:.1f} tok/s ({b['tps_vs_idle']:.2f} × idle)."]
     p = d.get("prefix_reuse")
     if p:

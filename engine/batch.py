@@ -35,10 +35,12 @@ class Sequence:
     """One request's rows: prefill, KV cache and position, sampler (generators, penalties' history), text side."""
 
     def __init__(self, engine, ids: list[int], params: SamplingParams, t_start: float, prefixes=None,
-                 speculative: str = "auto", seeds: list[int] | None = None, text: bool = True):
+                 speculative: str = "auto", seeds: list[int] | None = None, text: bool = True,
+                 piece: int | None = None):
         """seeds: the samples' seeds (default: drawn as a request alone draws them); text: turn tokens into
         text events (`TextSide`), or else hand back each position's raw (tokens, time, logprobs) step, as a
-        DTP rank does (its front end has the text side)."""
+        DTP rank does (its front end has the text side); piece: the most prompt positions one prefill step
+        runs where a chunk runs on the fused step (`LaneModel.prefill_steps`; None: whole chunks)."""
         self.runner, self.ids, self.params, self.n = engine.runner, ids, params, params.n
         self.seeds = sample_seeds(params) if seeds is None else list(seeds)
         self.sampler = RowSampler(params, self.seeds, ids, self.runner.device)
@@ -47,7 +49,9 @@ class Sequence:
         self.text = TextSide(params, self.seeds, engine.tokenizer, self.eos_ids, len(ids), str(engine.device),
                              engine.world_size, t_start, self.spec) if text else _RawSteps()
         self.kv_bytes = kv_need(engine, ids, params)
-        self._prefill, self.reused = self.runner.prefill_steps(ids, self.n, len(ids) + params.max_tokens, prefixes)
+        more = {"piece": piece} if piece else {}
+        self._prefill, self.reused = self.runner.prefill_steps(ids, self.n, len(ids) + params.max_tokens, prefixes,
+                                                               **more)
         self.cache = self.tokens = None
         self.pos = len(ids)  # where the next decode step writes
         self.chunks = 0  # prompt chunks run so far

@@ -663,7 +663,7 @@ class LaneModel(nn.Module):
         raise AssertionError("prefill_steps ended without a result")
 
     def prefill_steps(self, ids: Tensor, n: int, max_seq_len: int, chunk: int = PREFILL_CHUNK,
-                      start: tuple[KVCache, int] | None = None, keep=None):
+                      start: tuple[KVCache, int] | None = None, keep=None, piece: int | None = None):
         """`prefill` one chunk at a time: yields None after each chunk but the last, then (logits [n, V],
         cache). The chunks are the same however the steps are interleaved with other work, so a prompt
         prefilled between other requests' decode steps gives exactly the cache it gets alone.
@@ -671,7 +671,10 @@ class LaneModel(nn.Module):
         start: (a batch-1 cache already holding positions [0, p), p) with p a multiple of `chunk`: the
         prompt goes on from p, through the chunks a cold prefill runs from there (so the result is the
         cold one exactly). keep(cache, a, b, last): called after each whole chunk [a, b) with the batch-1
-        cache as it is at that moment (for a prefix cache to copy); last: no whole chunk follows.
+        cache as it is at that moment (for a prefix cache to copy); last: no whole chunk follows. piece: a
+        chunk that runs as one-token groups of the fused step (`prefills_as_groups`) goes in C calls of at
+        most this many positions, a step each (its result does not depend on how it is cut), so that other
+        work waits less.
         """
         S = ids.shape[1]
         cache, a0 = start if start is not None else (self.new_cache(1, max_seq_len), 0)
@@ -683,13 +686,19 @@ class LaneModel(nn.Module):
             if a > a0:
                 yield None
             b = min(a + chunk, S)
-            with torch.inference_mode():
-                if self.prefills_as_groups(a, b, cache):
-                    # the chunk's positions as one-token groups of the fused step: each position's K/V is
-                    # the one a decode step writes; only the prompt's last row gets logits
-                    logits = self.fused_step.groups(ids[0, a:b].reshape(-1, 1), [(p, cache) for p in range(a, b)],
-                                                    last_only=True)
-                else:
+            if self.prefills_as_groups(a, b, cache):
+                # the chunk's positions as one-token groups of the fused step: each position's K/V is the one a
+                # decode step writes; only the prompt's last row gets logits
+                step = piece or b - a
+                for c in range(a, b, step):
+                    if c > a:
+                        yield None
+                    d = min(c + step, b)
+                    with torch.inference_mode():
+                        logits = self.fused_step.groups(ids[0, c:d].reshape(-1, 1), [(p, cache) for p in range(c, d)],
+                                                        last_only=True)
+            else:
+                with torch.inference_mode():
                     h, logits = self.hidden_states(ids[:, a:b], pos=a, cache=cache), None
             if keep is not None and b <= whole:
                 keep(cache, a, b, b == whole)

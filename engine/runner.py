@@ -90,9 +90,9 @@ class LocalRunner:
         rows share its cache and a graph per bucket: `StaticDecoder.groups`)."""
         return self.world_size == 1 and self.model is not None
 
-    def prefill_steps(self, ids: list[int], n: int, max_seq_len: int, prefixes=None):
-        """One request's prefill, a chunk per step (see `LaneModel.prefill_steps`): (the steps, how many
-        prompt tokens came from `prefixes`, an `engine.batch.PrefixCache`, which also keeps this
+    def prefill_steps(self, ids: list[int], n: int, max_seq_len: int, prefixes=None, piece: int | None = None):
+        """One request's prefill, a chunk (or piece) per step (see `LaneModel.prefill_steps`): (the steps, how
+        many prompt tokens came from `prefixes`, an `engine.batch.PrefixCache`, which also keeps this
         prompt's whole chunks for later requests)."""
         x = torch.tensor([ids], dtype=torch.long, device=self.device)
         start, keep, reused = None, None, 0
@@ -111,7 +111,8 @@ class LocalRunner:
                 if last:
                     prefixes.store(ids[:b], built)
 
-        steps = self.model.prefill_steps(x, n, max_seq_len, chunk=self.runtime.prefill_chunk, start=start, keep=keep)
+        steps = self.model.prefill_steps(x, n, max_seq_len, chunk=self.runtime.prefill_chunk, start=start, keep=keep,
+                                         piece=piece)
         return steps, reused
 
     def verify_joins(self, pos: int, S: int, cache) -> bool:

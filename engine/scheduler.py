@@ -61,6 +61,9 @@ PRIORITIES = ("interactive", "batch")
 MAX_ROWS = 16  # rows per decode step (see the module's policy)
 INTERACTIVE_RESERVE = 4  # rows batch requests leave free
 SHARED_ROWS = 4  # rows in a step where interactive requests decode beside batch ones
+# A batch request's prompt runs on the fused step in pieces of at most this many positions, a step each: an
+# interactive request arriving meanwhile waits for one piece (~20 ms on 2 cores), not a whole chunk (~70 ms).
+BATCH_PIECE = 32
 PREFILL_SHARE = 0.75  # the most of the engine's time prompt chunks take while interactive requests decode
 
 
@@ -403,7 +406,8 @@ class Scheduler:
             self.running.append(job)
             self._begin(job)
             try:
-                seqs[job] = Sequence(self.engine, job.ids, job.params, job.t_start, self.prefixes, job.speculative)
+                seqs[job] = Sequence(self.engine, job.ids, job.params, job.t_start, self.prefixes, job.speculative,
+                                     piece=BATCH_PIECE if job.priority == "batch" else None)
                 job.cached_tokens = seqs[job].reused
             except Exception as e:
                 log.exception("generation failed")
@@ -446,7 +450,9 @@ class Scheduler:
         streaming = any(j.priority == "interactive" and not s.prefilling and not s.finished for j, s in seqs.items())
         if not streaming:
             self._decode_owed = 0.0
-        turns = () if self._decode_owed > 0 else prompt_turns(list(seqs.items()), self.prefill_budget,
+        # interactive prompts first: one that arrives while a batch prompt is prefilling runs its chunk next
+        waiting = sorted(seqs.items(), key=lambda js: js[0].priority != "interactive")
+        turns = () if self._decode_owed > 0 else prompt_turns(waiting, self.prefill_budget,
                                                                self.engine.runtime.prefill_chunk)
         t_chunks = time.perf_counter()
         for job, seq in turns:

@@ -111,6 +111,10 @@ def test_the_serving_tables_are_generated_from_the_json(tmp_path):
         "step_costs": [{"requests": 4, "ms_per_step": 14.3, "vs_one": 2.01, "ms_per_row": 3.57}],
         "users": [{"engine": "batched", "users": 4, "ttft_min_ms": 90, "ttft_median_ms": 242, "ttft_max_ms": 369,
                    "wall_s": 3.57, "wall_vs_alone": 2.66, "wall_vs_slowest_alone": 1.91, "rows_per_step": 4.0}],
+        "copies": [{"prompt": 0, "users": 4, "acceptance": 0.97, "alone_ttft_ms": 16.2, "ttft_max_ms": 41.0,
+                    "alone_s": 0.31, "wall_s": 0.78, "wall_vs_alone": 2.52},
+                   {"prompt": 1, "users": 4, "acceptance": None, "alone_ttft_ms": 15.0, "ttft_max_ms": 40.0,
+                    "alone_s": 0.5, "wall_s": 0.9, "wall_vs_alone": 1.8}],
         "prefix_reuse": {"prompt_tokens": 1017, "cached_tokens": 512, "prefill_chunk": 512, "warm_ttft_ms": 1563,
                          "cold_ttft_ms": 2896, "warm_vs_cold": 0.54}}))
     (tmp_path / "serving.json").write_text(json.dumps({
@@ -123,6 +127,8 @@ def test_the_serving_tables_are_generated_from_the_json(tmp_path):
         "users": [{"engine": "batched by the ranks", "users": 4, "ttft_min_ms": 364, "ttft_median_ms": 1086,
                    "ttft_max_ms": 1543, "wall_s": 17.16, "wall_vs_alone": 2.2, "rows_per_step": 4.0}]}))
     text = report(tmp_path)
+    assert "The same request from 4 clients at once" in text and "| 0 | 0.97 | 16 | 41 | 0.31 | 0.78 | 2.52 |" in text
+    assert "| 1 | – | 15 | 40 | 0.50 | 0.90 | 1.80 |" in text  # a request that never drafted
     assert "| 4 | 14.3 | 2.01 | 3.57 |" in text and "| batched | 4 | 90 | 242 | 369 | 3.57 | 2.66 | 1.91 | 4.0 |" in text
     # a run from before the column: a dash in its place
     assert "on 3 DTP ranks (int4" in text and "| batched by the ranks | 4 | 364 | 1086 | 1543 | 17.16 | 2.20 | – | 4.0 |" in text

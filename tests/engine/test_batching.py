@@ -483,3 +483,37 @@ def test_events_cross_to_the_loop_in_order_with_one_wake_up_for_a_steps_worth():
     loop.close()
     job.push("late")  # the loop is gone: nobody listens any more
     assert job.cancelled
+
+
+def test_a_batch_prompt_runs_in_pieces_and_an_interactive_prompt_goes_first(int4_engine, monkeypatch):
+    """A batch request's long prompt runs on the fused step in pieces of BATCH_PIECE positions, a step each;
+    an interactive request arriving meanwhile has its prompt run at the next step, before the batch prompt's
+    remaining pieces, and both get the tokens they get alone."""
+    from laneplay.engine import scheduler as sched_mod
+
+    eng = int4_engine
+    model = eng.runner.model
+    calls = []
+    groups = model.fused_step.groups
+    monkeypatch.setattr(model.fused_step, "groups",
+                        lambda tokens, grp, last_only=False: calls.append((len(grp), last_only, grp[-1][1]))
+                        or groups(tokens, grp, last_only))
+    batch = (PROMPTS[3] * 10, SamplingParams(max_tokens=4, temperature=0.0), "batch")
+    later = (PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.0))
+
+    async def hold(sched, jobs):
+        if len(jobs) == 1:
+            while not calls:  # the batch prompt's first piece ran
+                await asyncio.sleep(0.001)
+
+    got = run_together(eng, [batch, later], between=hold)
+    (t_batch, _, j_batch), (t_later, _, j_later) = got
+    prompts = [c for c in calls if c[1]]  # prompt pieces: last-row logits only
+    caches = [c[2] for c in prompts]
+    batch_cache = caches[0]
+    n_batch = len(eng.prepare(*batch[:2])[0])
+    assert all(rows <= sched_mod.BATCH_PIECE for rows, _, c in prompts if c is batch_cache)
+    assert sum(rows for rows, _, c in prompts if c is batch_cache) == n_batch
+    first_other = next(i for i, c in enumerate(caches) if c is not batch_cache)
+    assert any(c is batch_cache for c in caches[first_other + 1:])  # the interactive prompt cut in
+    assert t_batch == alone(eng, *batch[:2]) and t_later == alone(eng, *later)

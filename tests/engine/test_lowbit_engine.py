@@ -130,6 +130,12 @@ def test_a_fused_prefill_is_decode_steps_bit_for_bit(tmp_path, fmt, sliding_wind
         assert calls == [4, 4, 3]
         assert torch.equal(logits, last)
         assert all(torch.equal(x, y) for x, y in zip(cache.k + cache.v, steps.k + steps.v))
+        calls.clear()  # in pieces of 3 (a batch request's prompt): a step each, the same numbers
+        pieces = list(m.prefill_steps(ids, 1, 40, chunk=4, piece=3))
+        assert calls == [3, 1, 3, 1, 3] and pieces[:-1] == [None] * 4
+        logits, cache = pieces[-1]
+        assert torch.equal(logits, last)
+        assert all(torch.equal(x, y) for x, y in zip(cache.k + cache.v, steps.k + steps.v))
     else:  # the window's ring (6 slots and spares) wraps: the chunks that reach it take the per-layer path
         assert calls and all(n == 4 for n in calls) and len(calls) < 3
         assert close(logits, last, last.abs().max())
