@@ -49,9 +49,8 @@ class Sequence:
         self.text = TextSide(params, self.seeds, engine.tokenizer, self.eos_ids, len(ids), str(engine.device),
                              engine.world_size, t_start, self.spec) if text else _RawSteps()
         self.kv_bytes = kv_need(engine, ids, params)
-        more = {"piece": piece} if piece else {}
         self._prefill, self.reused = self.runner.prefill_steps(ids, self.n, len(ids) + params.max_tokens, prefixes,
-                                                               **more)
+                                                               piece)
         self.cache = self.tokens = None
         self.pos = len(ids)  # where the next decode step writes
         self.chunks = 0  # prompt chunks run so far
@@ -182,11 +181,9 @@ def decode_step(runner, seqs: list[Sequence]) -> list[list[GenerationEvent]]:
     if shared:
         own = sum(s.n for s in seqs)
         wants = [len(d) if j else 0 for d, j in zip(drafts, joined)]
-        auto = [s.spec.control.auto for s in seqs]
-        # "auto" drafts only where every request in the step drafts (see SHARED_KEEP), "lookup" in any step
-        got = share_rows([w if a else 0 for w, a in zip(wants, auto)], STEP_ROWS - own if all(wants) else 0)
-        more = share_rows([0 if a else w for w, a in zip(wants, auto)], STEP_ROWS - own - sum(got))
-        for i, k in enumerate(g + m for g, m in zip(got, more)):
+        if not all(wants):  # "auto" drafts only where every request in the step drafts, "lookup" in any step
+            wants = [0 if s.spec.control.auto else w for s, w in zip(seqs, wants)]
+        for i, k in enumerate(share_rows(wants, STEP_ROWS - own)):
             if joined[i]:
                 drafts[i] = drafts[i][:k]
                 joined[i] = k > 0

@@ -451,9 +451,9 @@ class Scheduler:
         if not streaming:
             self._decode_owed = 0.0
         # interactive prompts first: one that arrives while a batch prompt is prefilling runs its chunk next
-        waiting = sorted(seqs.items(), key=lambda js: js[0].priority != "interactive")
-        turns = () if self._decode_owed > 0 else prompt_turns(waiting, self.prefill_budget,
-                                                               self.engine.runtime.prefill_chunk)
+        turns = () if self._decode_owed > 0 else prompt_turns(
+            sorted(seqs.items(), key=lambda js: js[0].priority != "interactive"), self.prefill_budget,
+            self.engine.runtime.prefill_chunk)
         t_chunks = time.perf_counter()
         for job, seq in turns:
             try:

@@ -29,6 +29,24 @@ TESTS = Path(__file__).resolve().parent
 BROWSER = TESTS / "browser"
 
 
+def _lowbit_kernels() -> list[str]:
+    """The low-bit product kernels this CPU can run (cpuid); "generic" where the extension is not built."""
+    from laneplay.kernels import lowbit
+
+    return list(lowbit.kernels()) if lowbit.available() else ["generic"]
+
+
+@pytest.fixture(params=_lowbit_kernels())
+def kernel(request):
+    """Each low-bit kernel this CPU offers in turn (`lowbit.use_kernel`), the chosen one restored after."""
+    from laneplay.kernels import lowbit
+
+    before = lowbit.kernel_name()
+    lowbit.use_kernel(request.param)
+    yield request.param
+    lowbit.use_kernel(before)
+
+
 # The longest files first: `make test` hands whole files to its workers in this order, so the long ones
 # start at once and the short ones fill in around them (no long file left to start at the end).
 LONG_FILES = ("engine/test_dtp.py", "engine/test_model.py", "engine/test_generate.py", "engine/test_batching.py",

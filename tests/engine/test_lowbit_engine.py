@@ -104,19 +104,10 @@ def test_one_lane_models_decode_in_one_fused_step(tmp_path, fmt, overrides):
         fused.decode(torch.zeros(2, 1, dtype=torch.long), 6, fused.prefill(ids, 1, 40)[1])
 
 
-@pytest.fixture(params=list(lowbit.kernels()) if lowbit.available() else ["generic"])
-def each_kernel(request):
-    """Every product kernel this CPU can run (cpuid), in turn."""
-    before = lowbit.kernel_name()
-    lowbit.use_kernel(request.param)
-    yield request.param
-    lowbit.use_kernel(before)
-
-
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 @pytest.mark.parametrize("sliding_window", [None, 6])
 @torch.inference_mode()
-def test_a_fused_prefill_is_decode_steps_bit_for_bit(tmp_path, fmt, sliding_window, monkeypatch, each_kernel):
+def test_a_fused_prefill_is_decode_steps_bit_for_bit(tmp_path, fmt, sliding_window, monkeypatch, kernel):
     """On the fused one-lane path a prompt's chunks run as one-token groups of the C step: the prompt's cache
     and last logits are bit for bit those of one decode step per token, on every kernel. Chunks that would
     wrap a ring, or end past GROUPS_PREFILL_END, go through the per-layer path (within rounding of the same)."""

@@ -17,14 +17,6 @@ pytestmark = pytest.mark.skipif(not lowbit.available(), reason="the _lowbit exte
 KERNELS = list(lowbit.kernels()) if lowbit.available() else ["generic"]  # what this CPU can run (cpuid)
 
 
-@pytest.fixture(params=KERNELS)
-def kernel(request):
-    before = lowbit.kernel_name()
-    lowbit.use_kernel(request.param)
-    yield request.param
-    lowbit.use_kernel(before)
-
-
 @pytest.fixture(params=[16, 8], ids=["act16", "act8"])
 def bits(request):
     """The products' activation width; the bounds below follow it."""
