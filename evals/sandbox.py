@@ -409,4 +409,5 @@ def _execute(prefix_argv: list[str], code: str, timeout_s: float, memory_mb: int
     else:
         status = "ok" if rc == 0 else "error"
     return Result(status, out.text(), stderr, -sig if sig else rc, seconds,
-                  truncated=bool(out.dropped or err.dropped), peak_memory_mb=round(peak / 2**20, 1))
+                  truncated=bool(out.dropped or err.dropped),
+                  peak_memory_mb=math.ceil(peak * 10 / 2**20) / 10)  # up: a run killed past its bound reads past it
