@@ -10,7 +10,9 @@ the request waited for the engine), `data-sharing` (how many other requests shar
 with it, now or at the end), `data-ms-per-token`, `data-elapsed-ms`, `data-source` ("server": the
 engine's own timing; "app": timed here from the stream, for servers that send none), and while the engine
 speculates (prompt lookup, engine/speculative.py) `data-accepted-per-step` (tokens per decode step) and
-`data-acceptance` (accepted drafts / drafts): the engine's counts, live, then its final ones.
+`data-acceptance` (accepted drafts / drafts): the engine's counts, live, then its final ones. Beside other
+requests `auto` may hold its drafts back (engine.speculative.SHARED_KEEP): `data-drafting-paused` is
+"1" while it does, and `data-paused-steps` counts the steps it did.
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ class MeterData:
     sharing: int | None = None  # other requests in the engine's steps
     accepted_per_step: float | None = None  # speculation: tokens per decode step after the first token
     acceptance: float | None = None  # speculation: accepted draft tokens / draft tokens
+    paused_steps: int | None = None  # speculation: steps beside other requests that held the drafts back
+    speculation_paused: bool = False  # ... and whether it does now
     ms_per_token: float | None = None
     elapsed_ms: float = 0.0
     device: str | None = None
@@ -73,11 +77,23 @@ def _title(text: str) -> str:
 
 
 def _spec_sub(d: MeterData) -> str:
-    """Under tokens/s while the engine speculates: tokens per step and how many drafts it kept."""
+    """Under tokens/s while the engine speculates: tokens per step and how many drafts it kept, and
+    whether (or for how many steps) sharing the engine held its drafts back."""
     if d.accepted_per_step is None:
         return ""
     kept = f" · {100 * d.acceptance:.0f}% of drafts kept" if d.acceptance is not None else ""
-    return f"{d.accepted_per_step:.2f} tokens/step{kept}"
+    if d.speculation_paused:
+        paused = " · drafting paused while sharing"
+    elif d.paused_steps:
+        paused = f" · paused {d.paused_steps} step{'s' if d.paused_steps > 1 else ''} while sharing"
+    else:
+        paused = ""
+    return f"{d.accepted_per_step:.2f} tokens/step{kept}{paused}"
+
+
+def _spec_title(d: MeterData) -> str:
+    return ("beside other requests, speculation (auto) drafts only in steps where every request drafts and "
+            "only while it keeps most of its drafts: otherwise the others would wait for its draft rows")
 
 
 def _num(x: float | None, fmt: str) -> str:
@@ -103,6 +119,8 @@ def render(d: MeterData, elem_id: str = "meter", compact: bool = False, resting:
         "data-sharing": "" if d.sharing is None else str(d.sharing),
         "data-accepted-per-step": "" if d.accepted_per_step is None else f"{d.accepted_per_step:.3f}",
         "data-acceptance": "" if d.acceptance is None else f"{d.acceptance:.3f}",
+        "data-drafting-paused": "1" if d.speculation_paused else "",
+        "data-paused-steps": "" if d.paused_steps is None else str(d.paused_steps),
         "data-ms-per-token": "" if d.ms_per_token is None else f"{d.ms_per_token:.2f}",
         "data-elapsed-ms": f"{d.elapsed_ms:.0f}", "data-source": d.source, "data-dtype": d.dtype or "",
         "data-latencies": ",".join(f"{x:.1f}" for x in lat),
@@ -118,7 +136,8 @@ def render(d: MeterData, elem_id: str = "meter", compact: bool = False, resting:
     body = "".join(f'<div class="lp-cell lp-{key}"><span class="lp-k">{k}</span>'
                    f'<span class="lp-v"{_title(titles[key]) if titles.get(key) else ""}>{html.escape(v)}</span>'
                    + (f'<span class="lp-sub">{html.escape(_ttft_sub(d))}</span>' if key == "ttft" and _ttft_sub(d) else "")
-                   + (f'<span class="lp-sub">{html.escape(_spec_sub(d))}</span>' if key == "tps" and _spec_sub(d) else "")
+                   + (f'<span class="lp-sub lp-spec"{_title(_spec_title(d)) if d.paused_steps else ""}>'
+                      f'{html.escape(_spec_sub(d))}</span>' if key == "tps" and _spec_sub(d) else "")
                    + '</div>' for k, v, key in cells)
     why = ("the engine's timing of a stopped request did not arrive: timed here, from the stream"
            if d.state == "stopped" else "the server sent no timing: timed here, from the stream")

@@ -156,6 +156,7 @@ class Column:
         if t.get("speculative") == "lookup" and t.get("decode_steps") is not None:  # its final speculation counts
             m.accepted_per_step, m.acceptance = speculation(t.get("draft_tokens") or 0, t.get("accepted_tokens") or 0,
                                                             t["decode_steps"], t.get("completion_tokens") or 0)
+            m.paused_steps, m.speculation_paused = t.get("paused_steps", m.paused_steps), False
         if m.ttft_ms is None and m.engine_ttft_ms is not None:  # no text came: the engine's, plus the wait
             m.ttft_ms = m.engine_ttft_ms + (m.queue_ms or 0.0)
 
@@ -202,8 +203,10 @@ class Generation:
                 m.sharing = ev.position
                 if m.state == "running" and not c.finish:
                     m.note = _sharing_note(ev.position)
-            elif ev.kind == SPECULATIVE and len(ev.args) == 5:  # the choice's live counts
-                m.accepted_per_step, m.acceptance = speculation(*map(int, ev.args[1:]))
+            elif ev.kind == SPECULATIVE and len(ev.args) >= 5:  # the choice's live counts
+                m.accepted_per_step, m.acceptance = speculation(*map(int, ev.args[1:5]))
+                if len(ev.args) >= 7:  # beside other requests "auto" may hold its drafts back for a while
+                    m.paused_steps, m.speculation_paused = int(ev.args[5]), ev.args[6] == "1"
             elif ev.kind == "delta":
                 t = self.timer.on_delta(i, ev.text, (ev.timing or {}).get("finish_reason"))
                 c.text += ev.text

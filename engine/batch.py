@@ -182,6 +182,9 @@ def decode_step(runner, seqs: list[Sequence]) -> list[list[GenerationEvent]]:
         own = sum(s.n for s in seqs)
         wants = [len(d) if j else 0 for d, j in zip(drafts, joined)]
         if not all(wants):  # "auto" drafts only where every request in the step drafts, "lookup" in any step
+            for s, w in zip(seqs, wants):
+                if w and s.spec.control.auto:
+                    s.spec.hold()
             wants = [0 if s.spec.control.auto else w for s, w in zip(seqs, wants)]
         for i, k in enumerate(share_rows(wants, STEP_ROWS - own)):
             if joined[i]:

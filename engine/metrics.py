@@ -27,6 +27,9 @@ class GenerationMetrics:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     decode_steps: int | None = None
+    # of those, the steps beside other requests in which "auto" held its drafts back, and whether it does now
+    paused_steps: int = 0
+    speculation_paused: bool = False
 
     # Mapping protocol, so dict(metrics) == asdict(metrics).
     def keys(self):

@@ -17,7 +17,7 @@ A request may carry a "laneplay" object of its own: {"priority": "interactive" |
 scheduler admits it (engine/scheduler.py: batch work fills what interactive requests leave);
 {"speculative": "auto" | "lookup" | "off"} its prompt-lookup speculation (engine/speculative.py; "auto"
 by default), reported in the final "laneplay" object (speculative, speculative_reason, draft_tokens,
-accepted_tokens, decode_steps, accepted_per_step, acceptance) and in usage (draft_tokens,
+accepted_tokens, decode_steps, paused_steps, accepted_per_step, acceptance) and in usage (draft_tokens,
 accepted_tokens); and for DTP
 engines (world size 2 or more):
 {"collectives": "delayed" | "wait_now", "timeline": true | false}. The engine runs that request, and
@@ -278,8 +278,9 @@ def _speculative(body: dict) -> str:
 
 def speculation_record(finals: dict) -> dict:
     """What speculation did for a request (all its choices): the mode that ran ("lookup", or "off" with
-    the reason), draft tokens verified, of them accepted, decode steps after the first token, tokens
-    per decode step, and the acceptance rate."""
+    the reason), draft tokens verified, of them accepted, decode steps after the first token, of them the
+    steps beside other requests in which "auto" held its drafts back (paused_steps), tokens per decode
+    step, and the acceptance rate."""
     ms = [m for _, m in sorted(finals.items())]
     drafts, accepted = sum(m.draft_tokens for m in ms), sum(m.accepted_tokens for m in ms)
     steps = sum(m.decode_steps or 0 for m in ms)
@@ -287,6 +288,7 @@ def speculation_record(finals: dict) -> dict:
     ran = next((m.speculative for m in ms if m.speculative), None)
     return {"speculative": ran, "speculative_reason": next((m.speculative_reason for m in ms if m.speculative_reason), None),
             "draft_tokens": drafts, "accepted_tokens": accepted, "decode_steps": steps,
+            "paused_steps": sum(m.paused_steps for m in ms),
             "accepted_per_step": _ms(tokens / steps) if steps else None,
             "acceptance": _ms(accepted / drafts) if drafts else None}
 
@@ -408,7 +410,7 @@ def choice_timing(index: int, m) -> dict:
             "ms_per_token": _ms(m.ms_per_token), "total_ms": _ms(m.total_ms), "completion_tokens": m.completion_tokens,
             "finish_reason": _api_reason(m.finish_reason), "seed": m.seed, "temperature": m.temperature,
             "top_p": m.top_p, "top_k": m.top_k, "min_p": m.min_p, "speculative": m.speculative, "draft_tokens": m.draft_tokens,
-            "accepted_tokens": m.accepted_tokens, "decode_steps": m.decode_steps}
+            "accepted_tokens": m.accepted_tokens, "decode_steps": m.decode_steps, "paused_steps": m.paused_steps}
 
 
 def request_timing(job: Job) -> dict:
@@ -528,8 +530,9 @@ async def stream_reply(reply: Reply, n: int, include_usage: bool, scheduler: Sch
     skip) say where the request is: `: laneplay queued <position>` while it waits for the engine, then
     `: laneplay running` when the engine takes it. While a choice speculates, a comment before its chunk
     carries its counts whenever they change: `: laneplay speculative <index> <draft_tokens>
-    <accepted_tokens> <decode_steps> <completion_tokens>` (tokens per step = (completion_tokens - 1) /
-    decode_steps, acceptance = accepted_tokens / draft_tokens)."""
+    <accepted_tokens> <decode_steps> <completion_tokens> <paused_steps> <paused>` (tokens per step =
+    (completion_tokens - 1) / decode_steps, acceptance = accepted_tokens / draft_tokens; paused 1 while
+    "auto" holds its drafts back beside other requests, paused_steps the steps it did)."""
     started, finished, error, sharing = set(), 0, None, 0
     spec_counts: dict[int, tuple] = {}
     position = scheduler.position(reply.job) if scheduler is not None else None
@@ -547,7 +550,8 @@ async def stream_reply(reply: Reply, n: int, include_usage: bool, scheduler: Sch
                 sharing = reply.job.sharing
                 yield sse_comment(SHARING, sharing)
             m = ev.metrics
-            counts = (m.draft_tokens, m.accepted_tokens, m.decode_steps, m.completion_tokens)
+            counts = (m.draft_tokens, m.accepted_tokens, m.decode_steps, m.completion_tokens, m.paused_steps,
+                      int(m.speculation_paused))
             if m.speculative == "lookup" and spec_counts.get(ev.sample_index) != counts:  # the meter's live numbers
                 spec_counts[ev.sample_index] = counts
                 yield sse_comment(SPECULATIVE, ev.sample_index, *counts)

@@ -166,12 +166,18 @@ class Speculation:
         self.verify_steps = 0
         self.steps = 0  # decode steps after the first token: plain steps and verifies
         self.near_ties = 0  # greedy tokens a verify decided where its top two logits were within rounding
+        # Shared steps in which the sharing rule held this request's drafts back ("auto" beside other
+        # requests: it keeps too few lately, or another request in the step does not draft), and whether
+        # the last step that could have drafted was one: the meter says speculation is paused meanwhile.
+        self.paused_steps = 0
+        self.paused = False
 
     @property
     def label(self) -> str:
         return "lookup" if self.active else "off"
 
-    COUNTS = ("active", "reason", "draft_tokens", "accepted_tokens", "verify_steps", "steps", "near_ties")
+    COUNTS = ("active", "reason", "draft_tokens", "accepted_tokens", "verify_steps", "steps", "near_ties",
+              "paused_steps", "paused")
 
     def counts(self) -> dict:
         """Whether it ran (and why not) and its counts: what a DTP rank 0 sends the front with each step."""
@@ -194,10 +200,18 @@ class Speculation:
             return []
         drafts, m = self.lookup.draft(K_MAX)
         drafts = drafts[:min(self.control.want(m), room)]
+        if not shared:
+            self.paused = False
         if shared and self.control.auto and drafts and self.control.kept_share < SHARED_KEEP:
             self._shadow = drafts[0]
+            self.hold()
             return []
         return drafts
+
+    def hold(self) -> None:
+        """This shared step runs the request's row plain although it had drafts (the sharing rule)."""
+        self.paused_steps += 1
+        self.paused = True
 
     def produced(self, tokens: list[int]) -> None:
         """Tokens the request produced (plain steps and verifies), in order."""
@@ -246,6 +260,7 @@ class Speculation:
         self.draft_tokens += k
         self.accepted_tokens += len(out) - 1
         self.verify_steps += 1
+        self.paused = False
         return out
 
 
@@ -267,6 +282,7 @@ def note(metrics, spec: Speculation | None) -> None:
     metrics.speculative, metrics.speculative_reason = spec.label, spec.reason
     metrics.draft_tokens, metrics.accepted_tokens = spec.draft_tokens, spec.accepted_tokens
     metrics.decode_steps = spec.steps if spec.active else max(0, metrics.completion_tokens - 1)
+    metrics.paused_steps, metrics.speculation_paused = spec.paused_steps, spec.paused
 
 
 def plan(mode: str, runner, ids: list[int], params: SamplingParams) -> Speculation:

@@ -6,7 +6,8 @@ Beside the modules of the package, importing nothing (no HTTP library either): `
 - SSE comments (which OpenAI clients skip) before and between a stream's chunks:
   `: laneplay queued <position>` while the request waits for the engine, `: laneplay running` when the
   engine takes it, `: laneplay sharing <k>` when k other requests share its decode steps, `: laneplay
-  speculative <choice> <drafted> <accepted> <steps> <tokens>` while a choice speculates. Any other
+  speculative <choice> <drafted> <accepted> <steps> <tokens> <paused_steps> <paused>` while a choice
+  speculates. Any other
   `: laneplay <word> <args...>` is read the same way (a word a newer server sends reaches the client).
 - Stage lines on the engine's stderr while it starts: `laneplay-engine-stage: <stage>` (`laneplay serve`
   shows them).
@@ -17,8 +18,9 @@ COMMENT_PREFIX = "laneplay"  # the first word of every SSE comment of ours
 QUEUED = "queued"
 RUNNING = "running"
 SHARING = "sharing"
-# `: laneplay speculative <choice> <draft_tokens> <accepted_tokens> <decode_steps> <completion_tokens>`
-# whenever a speculating choice's counts change (engine/speculative.py)
+# `: laneplay speculative <choice> <draft_tokens> <accepted_tokens> <decode_steps> <completion_tokens>
+# <paused_steps> <paused>` whenever a speculating choice's counts change (engine/speculative.py; paused: 1
+# while "auto" holds its drafts back beside other requests, paused_steps: the steps it did so)
 SPECULATIVE = "speculative"
 
 STAGE_PREFIX = "laneplay-engine-stage:"

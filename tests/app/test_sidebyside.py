@@ -342,6 +342,27 @@ def test_routing_ignores_choices_past_the_shown_columns():
     assert [c.text for c in b.columns] == ["", "x"] and b.columns[1].meter.tokens == 1
 
 
+def test_the_meter_says_while_sharing_the_engine_holds_speculation_back_and_for_how_many_steps():
+    from laneplay.app.meter import render
+
+    b = Generation([Column({})])
+    b.route(None, StreamEvent("running"))
+    b.route(None, StreamEvent("speculative", args=["0", "4", "4", "2", "7", "0", "0"]))  # drafting, alone
+    m = b.columns[0].meter
+    assert (m.accepted_per_step, m.acceptance, m.paused_steps, m.speculation_paused) == (3.0, 1.0, 0, False)
+    assert 'data-drafting-paused=""' in render(m) and "paused" not in render(m).split("lp-cells")[1]
+    b.route(None, StreamEvent("sharing", position=2))
+    b.route(None, StreamEvent("speculative", args=["0", "4", "4", "5", "10", "3", "1"]))  # 3 steps held back
+    html = render(m)
+    assert 'data-drafting-paused="1"' in html and 'data-paused-steps="3"' in html
+    assert "drafting paused while sharing" in html and "sharing the engine with 2 other" in html
+    b.route(None, StreamEvent("speculative", args=["0", "6", "6", "6", "13", "3", "0"]))  # drafting again
+    html = render(m)
+    assert 'data-drafting-paused=""' in html and "paused 3 steps while sharing" in html
+    b.route(None, StreamEvent("speculative", args=["0", "6", "6", "7", "14"]))  # an older server's five numbers
+    assert (m.accepted_per_step, m.paused_steps) == (13 / 7, 3)
+
+
 def test_per_column_requests_stream_each_column_with_its_own_speculation_counts(engine):
     shared, cols = settings(2, [0, 0], [1, 1], [0, 0], [0, 1], 3, "")
     engine.app.state.bodies.clear()

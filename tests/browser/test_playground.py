@@ -382,4 +382,9 @@ def test_four_browsers_generate_together_and_each_meter_shows_its_wait(server, n
         assert f["ttft"] >= f["engine"] + f["queue"] - 1, f  # the click's TTFT holds the wait and the engine's
     assert sum(shared) >= 3, shared  # they ran in the same steps, and the meters said so while they ran
     assert max(int(f["sharing"] or 0) for f in finals) >= 1, finals
+    for p in pages:  # speculation ("auto", the default) beside others: the steps it held its drafts back, if any
+        spec = p.eval_on_selector("#meter", "m => [m.dataset.acceptedPerStep, m.dataset.pausedSteps, "
+                                            "m.dataset.draftingPaused, m.querySelector('.lp-tps').innerText]")
+        assert spec[0] != "" and spec[1].isdigit() and spec[2] == "", spec  # the final counts; no pause at the end
+        assert ("while sharing" in spec[3]) == (int(spec[1]) > 0), spec
     screenshot(pages[-1], "playground-shared")

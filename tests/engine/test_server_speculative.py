@@ -59,7 +59,8 @@ def test_the_stream_carries_the_live_counts_and_they_end_at_the_final_ones(serve
     final = [c for c in sse_data(lines) if c.get("usage")][-1]
     lp = final["laneplay"]
     assert len(live) > 1 and live == sorted(live)  # counts only grow
-    drafts, accepted, steps, tokens = live[-1]
+    drafts, accepted, steps, tokens, paused_steps, paused = live[-1]
     assert (drafts, accepted, steps, tokens) == (lp["draft_tokens"], lp["accepted_tokens"], lp["decode_steps"], 40)
+    assert paused_steps == paused == lp["paused_steps"] == 0  # alone: never held back
     assert lp["acceptance"] == round(accepted / drafts, 3)
     assert lp["accepted_per_step"] == round((tokens - 1) / steps, 3) > 1

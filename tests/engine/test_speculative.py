@@ -91,17 +91,23 @@ def test_beside_others_auto_drafts_while_its_drafts_are_kept_and_resumes_where_t
     assert spec.control.kept_share == 1.0 and d  # trusted until a verify is seen
     assert lookup.drafts(room=16, shared=True) == d
     spec.produced(spec.accept(_logits_for([999] * (len(d) + 1)), d, torch.Generator()))  # every draft rejected
-    assert spec.control.kept_share < SHARED_KEEP
+    assert spec.control.kept_share < SHARED_KEEP and not spec.paused and spec.paused_steps == 0
     # the text repeats again: plain rows beside others while the shadowed first drafts are kept
     rounds = 0
     for t in line:
+        would = spec.lookup.draft(1)[1] >= 2  # alone it would draft here
         d = spec.drafts(room=16, shared=True)
         if d:
             break
-        rounds += spec.lookup.draft(1)[1] >= 2  # alone it would draft here
+        rounds += would
+        assert spec.paused == (rounds > 0)  # the meter says so: speculation paused while sharing the engine
         spec.produced([t])
     assert d == line[line.index(t):][:len(d)] and 1 <= rounds <= 8 and spec.control.kept_share >= SHARED_KEEP
-    assert spec.drafts(room=16) == d  # alone: what the match is worth
+    assert spec.paused_steps == rounds and spec.paused  # every step in which it held drafts back
+    assert spec.drafts(room=16) == d and not spec.paused  # alone: what the match is worth, never paused
+    spec.paused = True  # as it was beside others: a verify ends the pause
+    spec.produced(spec.accept(_logits_for(d + [1]), d, torch.Generator()))
+    assert not spec.paused and spec.counts()["paused_steps"] == rounds
     # what it weighs: kept over drafted, each earlier verify weighing SHARE_DECAY of the next
     ctl = Controller("auto")
     ctl.record(4, 0)
@@ -465,6 +471,13 @@ def test_verifies_join_the_shared_step_and_auto_drafts_beside_others_while_they_
     assert all(toks == {0: alone[0]} for toks, _ in results)
     assert all(j.finals[0].accepted_tokens > 0 for j in jobs)  # the edit copies its code: kept drafts, beside others
     assert any(rows > caches > 1 for rows, caches in calls["groups"])
+
+    # beside a request that does not draft, "auto" holds its drafts back (and says so); "lookup" does not
+    jobs, results = asyncio.run(main(["auto", "off", "lookup"]))
+    assert all(toks == {0: alone[0]} for toks, _ in results)
+    held, off, look = (j.finals[0] for j in jobs)
+    assert held.draft_tokens == 0 and held.paused_steps > 0 and off.paused_steps == 0
+    assert look.draft_tokens > 0 and look.paused_steps == 0
 
     monkeypatch.setattr(runner, "verify_joins", lambda pos, S, cache: False)
     jobs, results = asyncio.run(main(["lookup", "auto"]))
