@@ -119,6 +119,14 @@ def speculation(drafts: int, accepted: int, steps: int, tokens: int) -> tuple[fl
     return ((tokens - 1) / steps if steps else None), (accepted / drafts if drafts else None)
 
 
+def _float(text: str) -> float | None:
+    try:
+        x = float(text)
+    except ValueError:
+        return None
+    return x if x >= 0 and x == x and x != float("inf") else None
+
+
 def _sharing_note(others: int | None) -> str:
     if not others:
         return ""
@@ -198,7 +206,10 @@ class Generation:
                 m.state, m.note = "queued", f"position {ev.position} in the engine's queue"
             elif ev.kind == "running" and m.state == "queued":
                 m.state, m.note = "running", "prefill"
-                m.queue_ms = self.timer.elapsed_ms()  # until the engine's own figure arrives
+                # the engine's own wait (our server says it when it starts the request), else the app's
+                m.queue_ms = _float(ev.args[0]) if ev.args else None
+                if m.queue_ms is None:
+                    m.queue_ms = self.timer.elapsed_ms()
             elif ev.kind == "sharing":
                 m.sharing = ev.position
                 if m.state == "running" and not c.finish:

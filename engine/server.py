@@ -528,7 +528,7 @@ def _sse(obj) -> str:
 async def stream_reply(reply: Reply, n: int, include_usage: bool, scheduler: Scheduler | None = None):
     """SSE chunks of one streamed request. Before the first chunk, SSE comments (which OpenAI clients
     skip) say where the request is: `: laneplay queued <position>` while it waits for the engine, then
-    `: laneplay running` when the engine takes it. While a choice speculates, a comment before its chunk
+    `: laneplay running <queue_ms>` when the engine takes it (how long it waited, ms). While a choice speculates, a comment before its chunk
     carries its counts whenever they change: `: laneplay speculative <index> <draft_tokens>
     <accepted_tokens> <decode_steps> <completion_tokens> <paused_steps> <paused>` (tokens per step =
     (completion_tokens - 1) / decode_steps, acceptance = accepted_tokens / draft_tokens; paused 1 while
@@ -541,7 +541,7 @@ async def stream_reply(reply: Reply, n: int, include_usage: bool, scheduler: Sch
     try:
         async for ev in reply.job.stream():
             if ev is STARTED:
-                yield sse_comment(RUNNING)
+                yield sse_comment(RUNNING, f"{reply.job.queue_ms or 0.0:.1f}")
                 continue
             if isinstance(ev, Queued):  # its place in line moved
                 yield sse_comment(QUEUED, ev.position)

@@ -346,9 +346,10 @@ def test_the_meter_says_while_sharing_the_engine_holds_speculation_back_and_for_
     from laneplay.app.meter import render
 
     b = Generation([Column({})])
-    b.route(None, StreamEvent("running"))
+    b.route(None, StreamEvent("running", args=["12.5"]))  # the engine's wait, as our server says it
     b.route(None, StreamEvent("speculative", args=["0", "4", "4", "2", "7", "0", "0"]))  # drafting, alone
     m = b.columns[0].meter
+    assert m.queue_ms == 12.5 and "waited 12 ms" in render(m)
     assert (m.accepted_per_step, m.acceptance, m.paused_steps, m.speculation_paused) == (3.0, 1.0, 0, False)
     assert 'data-drafting-paused=""' in render(m) and "paused" not in render(m).split("lp-cells")[1]
     b.route(None, StreamEvent("sharing", position=2))
