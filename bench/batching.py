@@ -208,8 +208,11 @@ async def _users(url: str, k: int, tokens: int) -> dict:
         wall = time.perf_counter() - t0
     ttfts = [c["ttft_ms"] for c in clients]
     slowest = max(alone) if alone else wall
+    done = statistics.mean(c["e2e_s"] for c in clients)  # each request's own wait until it is done
     return {"users": k, "ttft_min_ms": min(ttfts), "ttft_median_ms": statistics.median(ttfts),
-            "ttft_max_ms": max(ttfts), "wall_s": wall, "slowest_alone_s": slowest, "wall_vs_slowest_alone": wall / slowest,
+            "ttft_max_ms": max(ttfts), "wall_s": wall, "mean_done_s": done,
+            "mean_done_vs_alone": done / statistics.mean(alone) if alone else 1.0,
+            "slowest_alone_s": slowest, "wall_vs_slowest_alone": wall / slowest,
             "rows_per_step": max(c["server"].get("rows_per_step") or 0 for c in clients)}
 
 
@@ -282,6 +285,7 @@ USER_COLUMNS = [("engine", "engine", "s"), ("users", "users", "d"), ("ttft_min_m
                 ("ttft_median_ms", "median", ".0f"), ("ttft_max_ms", "max", ".0f"),
                 ("ttft_max_vs_alone", "max x alone", ".2f"), ("wall_s", "wall s", ".2f"),
                 ("wall_vs_alone", "wall x alone", ".2f"), ("wall_vs_slowest_alone", "x its slowest alone", ".2f"),
+                ("mean_done_s", "mean done s", ".2f"), ("mean_done_vs_alone", "mean x alone", ".2f"),
                 ("rows_per_step", "rows/step", ".1f")]
 
 COPIES_COLUMNS = [("prompt", "prompt", "d"), ("acceptance", "drafts kept alone", ".2f"), ("alone_ttft_ms", "TTFT alone ms", ".0f"),

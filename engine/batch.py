@@ -17,8 +17,8 @@ import torch
 from laneplay.engine.generate import GenerationEvent, TextSide
 from laneplay.engine.model import request_kv_bytes
 from laneplay.engine.sampling import RowSampler, SamplingParams, sample_seeds
+from laneplay.engine.speculative import SOLO_DRAFTS, SOLO_KEEP, SOLO_ROWS, room
 from laneplay.engine.speculative import plan as plan_speculation
-from laneplay.engine.speculative import room
 
 # The most rows a shared step takes (each request's rows, a verify's drafts among them). Any number keeps
 # every row's logits a decode step's (the low-bit step has 16-bit activations at any size); more would
@@ -171,21 +171,27 @@ def decode_step(runner, seqs: list[Sequence]) -> list[list[GenerationEvent]]:
     cache); a verify that cannot join runs as a forward of its own. Either way a sequence's tokens are
     the ones it gets alone. A shared step takes at most STEP_ROWS rows: the drafts share what the
     requests' own rows leave, the first draft of each request before anyone's second (`share_rows`).
-    "auto" drafts beside other requests only in a step where every one of them drafts: a request that
-    does not waits for every row of every step, so its time would pay for the others' drafts (four
-    separate prompts at once, two of them repetitive, finished no sooner with the two drafting, eight
-    6% later); where all draft, all gain (engine.speculative.SHARED_KEEP)."""
+    "auto" drafts freely beside other requests only in a step where every one of them drafts (where all
+    draft, all gain: engine.speculative.SHARED_KEEP). Where one does not, it waits for every row of the
+    step, so its time pays for the others' drafts: there an "auto" request drafts at most SOLO_DRAFTS,
+    and only while it keeps nearly all of its drafts (SOLO_KEEP) among at most SOLO_ROWS requests' rows;
+    otherwise it holds them back. Four separate prompts at once, two of them repetitive: with every draft
+    held back all four finished together (eight drafting freely: 6% later); with the few kept drafts the
+    two finished in 0.64-0.78x that time and the others in the same."""
     shared = len(seqs) > 1
     drafts = [s.drafts(shared) for s in seqs]
     joined = [s.joins(d) for s, d in zip(seqs, drafts)]
     if shared:
         own = sum(s.n for s in seqs)
         wants = [len(d) if j else 0 for d, j in zip(drafts, joined)]
-        if not all(wants):  # "auto" drafts only where every request in the step drafts, "lookup" in any step
-            for s, w in zip(seqs, wants):
+        if not all(wants):  # beside a request that does not draft, "auto" drafts a little or not at all
+            for i, (s, w) in enumerate(zip(seqs, wants)):
                 if w and s.spec.control.auto:
-                    s.spec.hold()
-            wants = [0 if s.spec.control.auto else w for s, w in zip(seqs, wants)]
+                    if own <= SOLO_ROWS and s.spec.control.kept_share >= SOLO_KEEP:
+                        wants[i] = min(w, SOLO_DRAFTS)
+                    else:
+                        s.spec.hold(drafts[i][0])
+                        wants[i] = 0
         for i, k in enumerate(share_rows(wants, STEP_ROWS - own)):
             if joined[i]:
                 drafts[i] = drafts[i][:k]

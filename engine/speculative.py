@@ -52,11 +52,19 @@ K_START = K_MAX = 15
 ROW_COST = 0.37
 # Beside other requests every draft row makes the step dearer for all of them, so "auto" drafts there only
 # while the request keeps at least SHARED_KEEP of its drafts (kept_share, each verify weighing SHARE_DECAY
-# of the next), and only in a step where every request drafts (engine.batch.decode_step). Measured on the
+# of the next), and freely only in a step where every request drafts (engine.batch.decode_step). Measured on the
 # embedded default (int4, 2 cores, 128 greedy tokens each, all at once, against plain rows beside others):
 # four copies of a prompt that keeps 97% of its drafts finished in 0.69-0.71x the time, four of one keeping
 # 88% in 0.81-0.83x, eight of it in 0.93-0.97x; four and eight separate prompts in 0.92-0.96x and 0.99-1.06x.
 SHARED_KEEP, SHARE_DECAY = 0.7, 0.75
+# In a step where some request does not draft, an "auto" request that keeps at least SOLO_KEEP of its drafts
+# lately still drafts, at most SOLO_DRAFTS, while the step holds at most SOLO_ROWS requests' rows: its few
+# draft rows are nearly all kept, so the others' steps carry hardly any row that gives no token, and it
+# finishes sooner; the others hold theirs back (engine.batch.decode_step). Four separate prompts at once (two
+# keep 86-97% of their drafts alone), against holding every draft back: those two finished in 0.62-0.78x the
+# time, the other two in 0.96-0.99x (interleaved runs, int4, 2 cores). Beside 8 requests the others took
+# 1.07-1.10x, hence SOLO_ROWS.
+SOLO_KEEP, SOLO_DRAFTS, SOLO_ROWS = 0.9, 2, 4
 
 
 def trusted(m: int) -> int:
@@ -208,10 +216,14 @@ class Speculation:
             return []
         return drafts
 
-    def hold(self) -> None:
-        """This shared step runs the request's row plain although it had drafts (the sharing rule)."""
+    def hold(self, shadow: int | None = None) -> None:
+        """This shared step runs the request's row plain although it had drafts (the sharing rule); shadow:
+        the first of them, checked against the token that comes (`produced`), so the share of drafts kept
+        lately follows the text while the request does not draft."""
         self.paused_steps += 1
         self.paused = True
+        if shadow is not None:
+            self._shadow = shadow
 
     def produced(self, tokens: list[int]) -> None:
         """Tokens the request produced (plain steps and verifies), in order."""
