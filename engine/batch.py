@@ -174,7 +174,7 @@ def decode_step(runner, seqs: list[Sequence]) -> list[list[GenerationEvent]]:
     "auto" drafts freely beside other requests only in a step where every one of them drafts (where all
     draft, all gain: engine.speculative.SHARED_KEEP). Where one does not, it waits for every row of the
     step, so its time pays for the others' drafts: there an "auto" request drafts at most SOLO_DRAFTS,
-    and only while it keeps nearly all of its drafts (SOLO_KEEP) among at most SOLO_ROWS requests' rows;
+    and only while it keeps nearly all of its drafts (SOLO_KEEP) in a step of SOLO_ROWS requests' rows;
     otherwise it holds them back. Four separate prompts at once, two of them repetitive: with every draft
     held back all four finished together (eight drafting freely: 6% later); with the few kept drafts the
     two finished in 0.64-0.78x that time and the others in the same."""
@@ -187,7 +187,7 @@ def decode_step(runner, seqs: list[Sequence]) -> list[list[GenerationEvent]]:
         if not all(wants):  # beside a request that does not draft, "auto" drafts a little or not at all
             for i, (s, w) in enumerate(zip(seqs, wants)):
                 if w and s.spec.control.auto:
-                    if own <= SOLO_ROWS and s.spec.control.kept_share >= SOLO_KEEP:
+                    if SOLO_ROWS[0] <= own <= SOLO_ROWS[1] and s.spec.control.kept_share >= SOLO_KEEP:
                         wants[i] = min(w, SOLO_DRAFTS)
                     else:
                         s.spec.hold(drafts[i][0])

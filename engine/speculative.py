@@ -58,13 +58,15 @@ ROW_COST = 0.37
 # 88% in 0.81-0.83x, eight of it in 0.93-0.97x; four and eight separate prompts in 0.92-0.96x and 0.99-1.06x.
 SHARED_KEEP, SHARE_DECAY = 0.7, 0.75
 # In a step where some request does not draft, an "auto" request that keeps at least SOLO_KEEP of its drafts
-# lately still drafts, at most SOLO_DRAFTS, while the step holds at most SOLO_ROWS requests' rows: its few
+# lately still drafts, at most SOLO_DRAFTS, while the step holds SOLO_ROWS requests' rows (from, to): its few
 # draft rows are nearly all kept, so the others' steps carry hardly any row that gives no token, and it
-# finishes sooner; the others hold theirs back (engine.batch.decode_step). Four separate prompts at once (two
-# keep 86-97% of their drafts alone), against holding every draft back: those two finished in 0.62-0.78x the
-# time, the other two in 0.96-0.99x (interleaved runs, int4, 2 cores). Beside 8 requests the others took
-# 1.07-1.10x, hence SOLO_ROWS.
-SOLO_KEEP, SOLO_DRAFTS, SOLO_ROWS = 0.9, 2, 4
+# finishes sooner, which makes the others' later steps a row cheaper; the others hold theirs back
+# (engine.batch.decode_step). Against holding every draft back (interleaved runs, int4, 2 cores): four separate
+# prompts at once (two keep 86-97% of their drafts alone), those two finished in 0.62-0.78x the time, the
+# other two in 0.96-0.99x; three, the repetitive one in 0.66x, the others 0.97-0.98x. Beside 8 requests the
+# others took 1.07-1.10x, and beside one 1.05-1.08x (a 2-row step's extra rows are its dearest, and the one
+# that finishes sooner leaves one row to save), hence SOLO_ROWS.
+SOLO_KEEP, SOLO_DRAFTS, SOLO_ROWS = 0.9, 2, (3, 4)
 
 
 def trusted(m: int) -> int:

@@ -427,7 +427,7 @@ def test_verifies_join_the_shared_step_and_auto_drafts_beside_others_while_they_
     import asyncio
 
     from laneplay.engine.batch import STEP_ROWS, share_rows
-    from laneplay.engine.speculative import SOLO_DRAFTS
+    from laneplay.engine.speculative import SOLO_DRAFTS, SOLO_ROWS
     from laneplay.engine.scheduler import Scheduler
     from tests.engine.test_batching import _collect
 
@@ -473,20 +473,21 @@ def test_verifies_join_the_shared_step_and_auto_drafts_beside_others_while_they_
     assert all(j.finals[0].accepted_tokens > 0 for j in jobs)  # the edit copies its code: kept drafts, beside others
     assert any(rows > caches > 1 for rows, caches in calls["groups"])
 
-    # beside a request that does not draft, "auto" drafts a little while it keeps nearly all of its drafts (at
-    # most SOLO_DRAFTS a step, among at most SOLO_ROWS requests' rows), and beside more it holds them back (and
-    # says so); "lookup" drafts in any step
+    # beside requests that do not draft, "auto" drafts a little while it keeps nearly all of its drafts (at
+    # most SOLO_DRAFTS a step, in steps of SOLO_ROWS requests), and otherwise holds them back (and says so)
+    assert SOLO_ROWS == (3, 4)
+    calls["groups"].clear()
+    jobs, results = asyncio.run(main(["auto", "off", "off"]))
+    assert all(toks == {0: alone[0]} for toks, _ in results)
+    solo, off = jobs[0].finals[0], jobs[1].finals[0]
+    assert solo.accepted_tokens > 0 and off.draft_tokens == off.paused_steps == 0
+    three = [rows for rows, caches in calls["groups"] if caches == 3]
+    assert three and max(three) == 3 + SOLO_DRAFTS  # the others' rows, its own and its few drafts
     calls["groups"].clear()
     jobs, results = asyncio.run(main(["auto", "off"]))
     assert all(toks == {0: alone[0]} for toks, _ in results)
-    solo, off = (j.finals[0] for j in jobs)
-    assert solo.accepted_tokens > 0 and off.draft_tokens == off.paused_steps == 0
-    shared = [rows for rows, caches in calls["groups"] if caches == 2]
-    assert shared and max(shared) == 2 + SOLO_DRAFTS  # the other's row, its own and its few drafts
-    jobs, results = asyncio.run(main(["auto", "off", "off", "off", "lookup"]))
-    assert all(toks == {0: alone[0]} for toks, _ in results)
-    held, look = jobs[0].finals[0], jobs[4].finals[0]
-    assert held.paused_steps > 0 and look.draft_tokens > 0 and look.paused_steps == 0
+    assert jobs[0].finals[0].paused_steps > 0  # beside one other it holds its drafts back
+    assert all(rows == 2 for rows, caches in calls["groups"] if caches == 2)
 
     monkeypatch.setattr(runner, "verify_joins", lambda pos, S, cache: False)
     jobs, results = asyncio.run(main(["lookup", "auto"]))
