@@ -12,8 +12,9 @@ How many drafts: a verify row costs ROW_COST of a decode step, so a draft pays w
 being kept is above that. The match length predicts it well: over the HumanEval edit corpus of
 `laneplay bench spec` on the embedded default, a one-token match's first draft was kept 25% of the
 time, a two-token match's 46%, and from three tokens on the first draft was kept 80-95% of the time
-and the eighth 33-68%. So "auto" drafts nothing on a one-token match, 2 tokens on a match of two or
-three, and 2m (up to K_MAX) on a longer one ("lookup" drafts on every match), and `Controller` caps that
+and the eighth 33-68%. So "auto" drafts one token on a one-token match (while it keeps ONE_KEEP of its
+drafts lately), 2 tokens on a match of two or three, and 2m (up to K_MAX) on a longer one ("lookup"
+drafts on every match), and `Controller` caps that
 by the request's recent acceptance: K_MAX at first and while every draft is kept, falling to what was
 kept plus one (or half, if more) when one is not, doubling again on a verify that keeps all. Plain
 completion then seldom drafts and never pays much for it. Replayed over the corpus's greedy tokens with
@@ -57,6 +58,12 @@ ROW_COST = 0.37
 # four copies of a prompt that keeps 97% of its drafts finished in 0.69-0.71x the time, four of one keeping
 # 88% in 0.81-0.83x, eight of it in 0.93-0.97x; four and eight separate prompts in 0.92-0.96x and 0.99-1.06x.
 SHARED_KEEP, SHARE_DECAY = 0.7, 0.75
+# A one-token match's draft is kept about a quarter of the time in code (a verify of 2 rows costs ~1.16
+# decode steps on the default model's AMX tiles), so "auto" drafts one there while it keeps at least
+# ONE_KEEP of its drafts lately, where verify rows are cheap (Controller.want, dear_rows): interleaved on
+# the bench's corpora, against no draft there, edits 1.03-1.04x and plain completions 1.06-1.07x (median
+# per prompt, Sapphire Rapids, 2 cores).
+ONE_KEEP = 0.3
 # In a step where some request does not draft, an "auto" request that keeps at least SOLO_KEEP of its drafts
 # lately still drafts, at most SOLO_DRAFTS, while the step holds SOLO_ROWS requests' rows (from, to): its few
 # draft rows are nearly all kept, so the others' steps carry hardly any row that gives no token, and it
@@ -71,7 +78,7 @@ SOLO_KEEP, SOLO_DRAFTS, SOLO_ROWS = 0.9, 2, (3, 4)
 
 def trusted(m: int) -> int:
     """How many drafts a match of m tokens is worth in "auto" (see the module's docstring)."""
-    return 0 if m < 2 else 2 if m <= 3 else min(K_MAX, 2 * m)
+    return 0 if m < 1 else 1 if m == 1 else 2 if m <= 3 else min(K_MAX, 2 * m)
 
 
 def check_mode(mode) -> str:
@@ -122,8 +129,9 @@ class Controller:
     share of drafts kept lately (`kept_share`: kept over drafted, each verify weighing SHARE_DECAY of
     the one after it), which decides whether "auto" drafts beside other requests."""
 
-    def __init__(self, mode: str):
+    def __init__(self, mode: str, one_token: bool = True):
         self.auto = mode == "auto"
+        self.one_token = one_token  # "auto" may draft on a one-token match (where a verify row is cheap)
         self.k = K_START
         self._kept = self._drafted = 1.0  # no verify yet: drafts are trusted until one is seen
 
@@ -132,10 +140,16 @@ class Controller:
         return self._kept / self._drafted
 
     def want(self, m: int) -> int:
-        """Drafts for a match of m tokens (0: a plain step)."""
+        """Drafts for a match of m tokens (0: a plain step). "auto" drafts on a one-token match only while
+        it keeps at least ONE_KEEP of its drafts lately: in text that does not repeat itself such a draft
+        is seldom kept, and it stops there."""
         if m < 1:
             return 0
-        return min(self.k, trusted(m)) if self.auto else self.k
+        if not self.auto:
+            return self.k
+        if m == 1 and (not self.one_token or self.kept_share < ONE_KEEP):
+            return 0
+        return min(self.k, trusted(m))
 
     def record(self, drafted: int, kept: int) -> None:
         self.k = min(K_MAX, 2 * self.k) if kept == drafted else max(1, kept + 1, self.k // 2)
@@ -150,7 +164,8 @@ class Controller:
 class Speculation:
     """One request's speculation: its lookup, controller, and counts. `reason` says why it is off."""
 
-    def __init__(self, mode: str, ids: list[int], params: SamplingParams, reason: str | None = None):
+    def __init__(self, mode: str, ids: list[int], params: SamplingParams, reason: str | None = None,
+                 one_token: bool = True):
         self.mode = check_mode(mode)
         if reason is None and mode == "off":
             reason = "off by request"
@@ -170,7 +185,7 @@ class Speculation:
         self.active = reason is None
         self.params = one
         self.lookup = Lookup(ids) if self.active else None
-        self.control = Controller(mode)
+        self.control = Controller(mode, one_token)
         self._shadow = None  # the first draft a shared step left out, checked against the token that came
         self.draft_tokens = self.accepted_tokens = 0
         self.verify_steps = 0
@@ -305,7 +320,19 @@ def plan(mode: str, runner, ids: list[int], params: SamplingParams) -> Speculati
     reason = None
     if mode != "off" and not (hasattr(runner, "verify") or getattr(runner, "speculates", False)):
         reason = "this runner has no verify step"
-    return Speculation(mode, ids, params, reason)
+    return Speculation(mode, ids, params, reason, one_token=not dear_rows(runner))
+
+
+def dear_rows(runner) -> bool:
+    """Whether a verify row costs much of a decode step on this runner: the low-bit CPU kernels without AMX
+    tiles (a row ~0.37 of a step with VNNI, more with AVX2, against 0.15-0.2 on the tiles; the float and
+    CUDA paths read the weights once for all rows). There a one-token match's draft, kept about a quarter of
+    the time, does not pay, and "auto" takes none."""
+    if not getattr(getattr(runner, "model", None), "lowbit", False):
+        return False
+    from laneplay.kernels import lowbit
+
+    return lowbit.kernel_name() != "amx"
 
 
 def room(spec: Speculation, produced: int, max_tokens: int, cache) -> int:

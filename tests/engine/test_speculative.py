@@ -15,8 +15,8 @@ from laneplay.engine.checkpoint import (load_weights, open_checkpoint, random_la
                                         tiny_laneformer_config, write_checkpoint)
 from laneplay.engine.model import LaneModel
 from laneplay.engine.sampling import process_logits
-from laneplay.engine.speculative import (K_MAX, MATCH_MAX, NGRAMS, SHARE_DECAY, SHARED_KEEP, Controller, Lookup,
-                                         Speculation, check_mode, draw, plan, trusted)
+from laneplay.engine.speculative import (K_MAX, MATCH_MAX, NGRAMS, ONE_KEEP, SHARE_DECAY, SHARED_KEEP, Controller,
+                                         Lookup, Speculation, check_mode, draw, plan, trusted)
 from tests.engine.naive_reference import naive_logits
 
 
@@ -60,9 +60,10 @@ def test_lookup_on_code_proposes_the_rest_of_a_copied_line_and_says_how_long_the
 
 
 def test_auto_drafts_what_the_match_is_worth_and_follows_the_acceptance():
-    assert [trusted(m) for m in range(6)] == [0, 0, 2, 2, 8, 10] and trusted(MATCH_MAX) == K_MAX
+    assert [trusted(m) for m in range(6)] == [0, 1, 2, 2, 8, 10] and trusted(MATCH_MAX) == K_MAX
+    assert Controller("auto", one_token=False).want(1) == 0  # where a verify row is dear: not on one token
     ctl = Controller("auto")
-    assert ctl.want(0) == 0 and ctl.want(1) == 0  # a one-token match: a draft is kept less often than a row costs
+    assert ctl.want(0) == 0 and ctl.want(1) == 1  # a one-token match: one draft, while drafts are kept
     assert ctl.want(2) == ctl.want(3) == 2 and ctl.want(MATCH_MAX) == K_MAX  # the start: what the match is worth
     ctl.record(K_MAX, 3)  # three kept: half of k is more than kept + 1
     assert ctl.k == K_MAX // 2
@@ -131,13 +132,22 @@ def test_text_without_repeated_phrases_never_drafts_in_auto_but_does_in_lookup()
     always = Speculation("lookup", ids[:100], SamplingParams(temperature=0.0))
     one_token_matches = lookup_drafts = 0
     for t in ids[100:]:
-        m = auto.lookup.draft(1)[1]
-        assert auto.drafts(room=16) == [] or m >= 2
-        one_token_matches += m == 1
+        one_token_matches += always.lookup.draft(1)[1] == 1
         lookup_drafts += bool(always.drafts(room=16))
-        auto.produced([t])
         always.produced([t])
     assert one_token_matches > 20 and lookup_drafts >= one_token_matches
+    # "auto" drafts one token on a one-token match only while its drafts are kept: here a few times, then never
+    pos, drafted_at = 100, []
+    while pos < len(ids) - 1:
+        d = auto.drafts(room=min(16, len(ids) - pos - 1))
+        if d:
+            drafted_at.append(pos)
+            out = auto.accept(_logits_for(ids[pos:pos + len(d) + 1], vocab=2_000), d, torch.Generator())
+        else:
+            out = [ids[pos]]
+        auto.produced(out)
+        pos += len(out)
+    assert 1 <= len(drafted_at) <= 4 and auto.control.kept_share < ONE_KEEP
 
 
 def test_modes_are_checked_and_off_says_why():
@@ -535,3 +545,13 @@ def test_greedy_acceptance_reads_rows_up_to_the_first_rejection_and_counts_near_
         assert out == drafts[:cut] + [best[cut]]
         assert spec.accepted_tokens == cut and spec.draft_tokens == k
         assert spec.near_ties == int(tie)
+
+
+def test_auto_drafts_on_a_one_token_match_only_where_a_verify_row_is_cheap(int4_default, default_engine, kernel):
+    """On the AMX tiles a verify row costs ~0.15-0.2 of a decode step and a one-token match's draft (kept about
+    a quarter of the time) pays; with the VNNI and AVX2 kernels a row costs 0.37 or more, and "auto" takes
+    none there. The float path reads its weights once for all rows."""
+    params = SamplingParams(temperature=0.0)
+    assert plan("auto", int4_default.runner, [1, 2, 3], params).control.one_token == (kernel == "amx")
+    assert plan("auto", default_engine.runner, [1, 2, 3], params).control.one_token
+    assert plan("lookup", int4_default.runner, [1, 2, 3], params).control.want(1) == K_MAX
