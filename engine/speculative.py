@@ -60,7 +60,8 @@ ROW_COST = 0.37
 SHARED_KEEP, SHARE_DECAY = 0.7, 0.75
 # A one-token match's draft is kept about a quarter of the time in code (a verify of 2 rows costs ~1.16
 # decode steps on the default model's AMX tiles), so "auto" drafts one there while it keeps at least
-# ONE_KEEP of its drafts lately, where verify rows are cheap (Controller.want, dear_rows): interleaved on
+# ONE_KEEP of its drafts lately, where verify rows are cheap (Controller.want, dear_rows), and alone (beside
+# other requests every row costs them too, and such drafts would pull kept_share down): interleaved on
 # the bench's corpora, against no draft there, edits 1.03-1.04x and plain completions 1.06-1.07x (median
 # per prompt, Sapphire Rapids, 2 cores).
 ONE_KEEP = 0.3
@@ -224,6 +225,8 @@ class Speculation:
         if not self.active or room < 1:
             return []
         drafts, m = self.lookup.draft(K_MAX)
+        if shared and m == 1 and self.control.auto:
+            return []  # a one-token match's draft pays alone only: beside others every row costs them too
         drafts = drafts[:min(self.control.want(m), room)]
         if not shared:
             self.paused = False

@@ -62,6 +62,9 @@ def test_lookup_on_code_proposes_the_rest_of_a_copied_line_and_says_how_long_the
 def test_auto_drafts_what_the_match_is_worth_and_follows_the_acceptance():
     assert [trusted(m) for m in range(6)] == [0, 1, 2, 2, 8, 10] and trusted(MATCH_MAX) == K_MAX
     assert Controller("auto", one_token=False).want(1) == 0  # where a verify row is dear: not on one token
+    one = Speculation("auto", [5, 6, 7, 8, 6], SamplingParams(temperature=0.0))  # 6 again: a one-token match
+    assert one.lookup.draft(3) == ([7, 8, 6], 1) and one.drafts(room=16) == [7]
+    assert one.drafts(room=16, shared=True) == [] and one.paused_steps == 0  # beside others: none, no pause
     ctl = Controller("auto")
     assert ctl.want(0) == 0 and ctl.want(1) == 1  # a one-token match: one draft, while drafts are kept
     assert ctl.want(2) == ctl.want(3) == 2 and ctl.want(MATCH_MAX) == K_MAX  # the start: what the match is worth
