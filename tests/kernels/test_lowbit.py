@@ -405,7 +405,7 @@ def test_the_vector_activation_quantizer_is_the_scalar_one_bit_for_bit(k, rest, 
             assert torch.equal(a, b)
 
 
-def test_top2_is_torch_argmax_and_topk_with_ties_to_the_lower_index():
+def test_top2_is_torch_argmax_and_topk_with_ties_to_the_lower_index(kernel):
     torch.manual_seed(3)
     x = torch.randn(6, 49152)
     x[1, 100] = x[1, 7] = 50.0  # a tie for the top: the lower index first, then the other
@@ -423,6 +423,40 @@ def test_top2_is_torch_argmax_and_topk_with_ties_to_the_lower_index():
     assert lowbit.top2(torch.empty(0, 5))[0].shape == (0, 2)
     with pytest.raises(ValueError):
         lowbit.top2(torch.zeros(3, dtype=torch.float64))
+
+
+def test_top2_is_the_same_on_every_kernel_for_any_row():
+    """The AVX-512 passes (VNNI and AMX kernels) and the scalar loop: the same indices and values bit for bit,
+    for rows of every length around the 16 lanes, with NaNs, infinities, signed zeros and ties anywhere."""
+    gen = torch.Generator().manual_seed(11)
+    rows = []
+    for V in (1, 2, 3, 15, 16, 17, 31, 32, 33, 100, 49152):
+        for kind in range(6):
+            x = torch.randn(V, generator=gen)
+            if kind == 1:
+                x = torch.randint(-3, 4, (V,), generator=gen).float()  # ties everywhere
+            elif kind == 2:
+                x[torch.rand(V, generator=gen) < 0.5] = float("nan")
+            elif kind == 3:
+                x = torch.full((V,), -torch.inf)
+                x[torch.rand(V, generator=gen) < 0.2] = float("nan")
+            elif kind == 4:
+                x = torch.where(torch.rand(V, generator=gen) < 0.5, torch.tensor(0.0), torch.tensor(-0.0))
+            elif kind == 5:
+                x[torch.randint(0, V, (2,), generator=gen)] = torch.inf
+            rows.append(x)
+    results = {}
+    before = lowbit.kernel_name()
+    try:
+        for k in lowbit.kernels():
+            lowbit.use_kernel(k)
+            results[k] = [lowbit.top2(x.view(1, -1)) for x in rows]
+    finally:
+        lowbit.use_kernel(before)
+    first = next(iter(results.values()))
+    for k, got in results.items():
+        for (i, v), (i0, v0), x in zip(got, first, rows):
+            assert torch.equal(i, i0) and torch.equal(v.view(torch.int32), v0.view(torch.int32)), (k, x[:8])
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
