@@ -127,6 +127,10 @@ def _float(text: str) -> float | None:
     return x if x >= 0 and x == x and x != float("inf") else None
 
 
+def _count(text: str) -> int | None:
+    return int(text) if text.isdigit() and len(text) < 19 else None
+
+
 def _sharing_note(others: int | None) -> str:
     if not others:
         return ""
@@ -197,7 +201,9 @@ class Generation:
         """One stream event into its column(s). `col`: the column of a per-column request, None for one
         request whose deltas go by the choice's `index` and whose other events concern every column."""
         n = len(self.columns)
-        index = int(ev.args[0]) if ev.kind == SPECULATIVE and ev.args else ev.index  # a choice's own event
+        index = _count(ev.args[0]) if ev.kind == SPECULATIVE and ev.args else ev.index  # a choice's own event
+        if index is None:
+            return  # a comment that is not ours to read
         mine = ev.kind in ("delta", SPECULATIVE)
         targets = range(n) if col is None and not mine else [index if col is None else col]
         for i in (i for i in targets if 0 <= i < n):
@@ -215,9 +221,12 @@ class Generation:
                 if m.state == "running" and not c.finish:
                     m.note = _sharing_note(ev.position)
             elif ev.kind == SPECULATIVE and len(ev.args) >= 5:  # the choice's live counts
-                m.accepted_per_step, m.acceptance = speculation(*map(int, ev.args[1:5]))
-                if len(ev.args) >= 7:  # beside other requests "auto" may hold its drafts back for a while
-                    m.paused_steps, m.speculation_paused = int(ev.args[5]), ev.args[6] == "1"
+                counts = [_count(a) for a in ev.args[1:7]]
+                if None in counts:  # not numbers: not a comment of ours to read
+                    continue
+                m.accepted_per_step, m.acceptance = speculation(*counts[:4])
+                if len(counts) >= 6:  # beside other requests "auto" may hold its drafts back for a while
+                    m.paused_steps, m.speculation_paused = counts[4], counts[5] == 1
             elif ev.kind == "delta":
                 t = self.timer.on_delta(i, ev.text, (ev.timing or {}).get("finish_reason"))
                 c.text += ev.text

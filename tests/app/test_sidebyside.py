@@ -362,6 +362,13 @@ def test_the_meter_says_while_sharing_the_engine_holds_speculation_back_and_for_
     assert 'data-drafting-paused=""' in html and "paused 3 steps while sharing" in html
     b.route(None, StreamEvent("speculative", args=["0", "6", "6", "7", "14"]))  # an older server's five numbers
     assert (m.accepted_per_step, m.paused_steps) == (13 / 7, 3)
+    for args in (["x", "1", "1", "1", "2"], ["0", "1", "-1", "1", "2"], ["0", "1", "1", "1e9", "2", "0", "0"],
+                 ["0", "9" * 40, "1", "1", "2"], ["7", "1", "1", "1", "2"]):  # not ours to read, or no such column
+        b.route(None, StreamEvent("speculative", args=args))
+    assert (m.accepted_per_step, m.paused_steps) == (13 / 7, 3)
+    from laneplay.app.stream import _float
+
+    assert [_float(x) for x in ("12.5", "0", "nan", "inf", "-1", "x")] == [12.5, 0.0, None, None, None, None]
 
 
 def test_per_column_requests_stream_each_column_with_its_own_speculation_counts(engine):
