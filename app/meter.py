@@ -76,19 +76,22 @@ def _title(text: str) -> str:
     return f' title="{html.escape(text, quote=True)}"'
 
 
-def _spec_sub(d: MeterData) -> str:
-    """Under tokens/s while the engine speculates: tokens per step and how many drafts it kept, and
-    whether (or for how many steps) sharing the engine held its drafts back."""
+def _spec_sub(d: MeterData) -> list[str]:
+    """Under tokens/s while the engine speculates, a line each: tokens per step and how many drafts it kept,
+    then whether (or for how many steps) sharing the engine held its drafts back."""
     if d.accepted_per_step is None:
-        return ""
-    kept = f" · {100 * d.acceptance:.0f}% of drafts kept" if d.acceptance is not None else ""
+        return []
+    kept = f" · {100 * d.acceptance:.0f}% kept" if d.acceptance is not None else ""
+    lines = [f"{d.accepted_per_step:.2f} tokens/step{kept}"]
     if d.speculation_paused:
-        paused = " · drafting paused while sharing"
+        lines.append("drafting paused while sharing")
     elif d.paused_steps:
-        paused = f" · paused {d.paused_steps} step{'s' if d.paused_steps > 1 else ''} while sharing"
-    else:
-        paused = ""
-    return f"{d.accepted_per_step:.2f} tokens/step{kept}{paused}"
+        lines.append(f"paused {d.paused_steps} step{'s' if d.paused_steps > 1 else ''} while sharing")
+    return lines
+
+
+_KEPT_TITLE = ("speculation: tokens per decode step, and the share of draft tokens (from prompt lookup) that "
+               "the model kept")
 
 
 def _spec_title(d: MeterData) -> str:
@@ -136,8 +139,8 @@ def render(d: MeterData, elem_id: str = "meter", compact: bool = False, resting:
     body = "".join(f'<div class="lp-cell lp-{key}"><span class="lp-k">{k}</span>'
                    f'<span class="lp-v"{_title(titles[key]) if titles.get(key) else ""}>{html.escape(v)}</span>'
                    + (f'<span class="lp-sub">{html.escape(_ttft_sub(d))}</span>' if key == "ttft" and _ttft_sub(d) else "")
-                   + (f'<span class="lp-sub lp-spec"{_title(_spec_title(d)) if d.paused_steps else ""}>'
-                      f'{html.escape(_spec_sub(d))}</span>' if key == "tps" and _spec_sub(d) else "")
+                   + ("".join(f'<span class="lp-sub lp-spec"{_title(_spec_title(d) if j else _KEPT_TITLE)}>'
+                              f'{html.escape(line)}</span>' for j, line in enumerate(_spec_sub(d))) if key == "tps" else "")
                    + '</div>' for k, v, key in cells)
     why = ("the engine's timing of a stopped request did not arrive: timed here, from the stream"
            if d.state == "stopped" else "the server sent no timing: timed here, from the stream")
