@@ -94,9 +94,9 @@ _KEPT_TITLE = ("speculation: tokens per decode step, and the share of draft toke
                "the model kept")
 
 
-def _spec_title(d: MeterData) -> str:
-    return ("beside other requests, speculation (auto) drafts only in steps where every request drafts and "
-            "only while it keeps most of its drafts: otherwise the others would wait for its draft rows")
+_PAUSED_TITLE = ("beside other requests, speculation (auto) holds its drafts back in steps where another request "
+                 "does not draft (unless it keeps nearly all of them, in a step of 3 or 4 requests) or while it "
+                 "keeps few of them: otherwise the others would wait for its draft rows")
 
 
 def _num(x: float | None, fmt: str) -> str:
@@ -139,7 +139,7 @@ def render(d: MeterData, elem_id: str = "meter", compact: bool = False, resting:
     body = "".join(f'<div class="lp-cell lp-{key}"><span class="lp-k">{k}</span>'
                    f'<span class="lp-v"{_title(titles[key]) if titles.get(key) else ""}>{html.escape(v)}</span>'
                    + (f'<span class="lp-sub">{html.escape(_ttft_sub(d))}</span>' if key == "ttft" and _ttft_sub(d) else "")
-                   + ("".join(f'<span class="lp-sub lp-spec"{_title(_spec_title(d) if j else _KEPT_TITLE)}>'
+                   + ("".join(f'<span class="lp-sub lp-spec"{_title(_PAUSED_TITLE if j else _KEPT_TITLE)}>'
                               f'{html.escape(line)}</span>' for j, line in enumerate(_spec_sub(d))) if key == "tps" else "")
                    + '</div>' for k, v, key in cells)
     why = ("the engine's timing of a stopped request did not arrive: timed here, from the stream"

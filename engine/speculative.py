@@ -222,17 +222,16 @@ class Speculation:
         and otherwise notes whether its first draft would have been kept (so drafting resumes where the
         text repeats again)."""
         self._shadow = None
+        if not shared:
+            self.paused = False
         if not self.active or room < 1:
             return []
         drafts, m = self.lookup.draft(K_MAX)
         if shared and m == 1 and self.control.auto:
             return []  # a one-token match's draft pays alone only: beside others every row costs them too
         drafts = drafts[:min(self.control.want(m), room)]
-        if not shared:
-            self.paused = False
         if shared and self.control.auto and drafts and self.control.kept_share < SHARED_KEEP:
-            self._shadow = drafts[0]
-            self.hold()
+            self.hold(drafts[0])
             return []
         return drafts
 
