@@ -194,17 +194,22 @@ class InProcessServer:
         self.thread.join(30)
 
 
-async def _users(url: str, k: int, tokens: int) -> dict:
+async def _users(url: str, k: int, tokens: int, speculative: str | None = None) -> dict:
     """k clients at once (prompt i of PROMPTS each), and first each of those k requests alone, one after
     another: with speculation ("auto") a prompt's alone time depends on how much its text repeats, so the
-    wall of k is also compared with the slowest of the same k requests alone."""
+    wall of k is also compared with the slowest of the same k requests alone, and each request's time until
+    done with its own time alone (`worst_vs_own_alone`: the largest of those ratios). speculative: the
+    requests' "laneplay" speculation (None: the engine's default)."""
+    extra = {"laneplay": {"speculative": speculative}} if speculative else {}
+
+    def body(i: int) -> dict:
+        return {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": tokens, **extra}
+
     async with engine_client(url) as http:
-        await timed_request(http, {"prompt": PROMPTS[0], "max_tokens": 4})  # warm the connection and the engine
-        alone = [(await timed_request(http, {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": tokens}))["e2e_s"]
-                 for i in range(k)] if k > 1 else []
+        await timed_request(http, {**body(0), "max_tokens": 4})  # warm the connection and the engine
+        alone = [(await timed_request(http, body(i)))["e2e_s"] for i in range(k)] if k > 1 else []
         t0 = time.perf_counter()
-        clients = await asyncio.gather(*(timed_request(http, {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": tokens})
-                                         for i in range(k)))
+        clients = await asyncio.gather(*(timed_request(http, body(i)) for i in range(k)))
         wall = time.perf_counter() - t0
     ttfts = [c["ttft_ms"] for c in clients]
     slowest = max(alone) if alone else wall
@@ -212,6 +217,7 @@ async def _users(url: str, k: int, tokens: int) -> dict:
     return {"users": k, "ttft_min_ms": min(ttfts), "ttft_median_ms": statistics.median(ttfts),
             "ttft_max_ms": max(ttfts), "wall_s": wall, "mean_done_s": done,
             "mean_done_vs_alone": done / statistics.mean(alone) if alone else 1.0,
+            "worst_vs_own_alone": max(c["e2e_s"] / a for c, a in zip(clients, alone)) if alone else 1.0,
             "slowest_alone_s": slowest, "wall_vs_slowest_alone": wall / slowest,
             "rows_per_step": max(c["server"].get("rows_per_step") or 0 for c in clients)}
 
@@ -240,13 +246,14 @@ def copies(engine, prompts: int, k: int, tokens: int) -> list[dict]:
         return [asyncio.run(_copies(url, i, k, tokens)) for i in range(prompts)]
 
 
-def concurrency(engine, users: list[int], tokens: int, modes: dict[str, int]) -> list[dict]:
+def concurrency(engine, users: list[int], tokens: int, modes: dict[str, tuple[int, str | None]]) -> list[dict]:
+    """`_users` for each k of `users` on a server per mode: {name: (rows per step, speculation)}."""
     out = []
-    for mode, max_rows in modes.items():
+    for mode, (max_rows, speculative) in modes.items():
         with InProcessServer(engine, max_rows) as url:
             alone = None
             for k in users:
-                row = {"engine": mode, **asyncio.run(_users(url, k, tokens))}
+                row = {"engine": mode, **asyncio.run(_users(url, k, tokens, speculative))}
                 alone = alone or row
                 row["ttft_max_vs_alone"] = row["ttft_max_ms"] / alone["ttft_max_ms"]
                 row["wall_vs_alone"] = row["wall_s"] / alone["wall_s"]
@@ -286,6 +293,7 @@ USER_COLUMNS = [("engine", "engine", "s"), ("users", "users", "d"), ("ttft_min_m
                 ("ttft_max_vs_alone", "max x alone", ".2f"), ("wall_s", "wall s", ".2f"),
                 ("wall_vs_alone", "wall x alone", ".2f"), ("wall_vs_slowest_alone", "x its slowest alone", ".2f"),
                 ("mean_done_s", "mean done s", ".2f"), ("mean_done_vs_alone", "mean x alone", ".2f"),
+                ("worst_vs_own_alone", "worst x own alone", ".2f"),
                 ("rows_per_step", "rows/step", ".1f")]
 
 COPIES_COLUMNS = [("prompt", "prompt", "d"), ("acceptance", "drafts kept alone", ".2f"), ("alone_ttft_ms", "TTFT alone ms", ".0f"),
@@ -300,7 +308,7 @@ def dtp_users(args, quiet) -> None:
     engine = load_engine("smollm2-135m-instruct", dtype=args.dtype, world_size=args.dtp_world)
     try:
         rows = concurrency(engine, [int(x) for x in args.dtp_users.split(",")], args.dtp_tokens,
-                           {"one at a time": 1, "batched by the ranks": 16})
+                           {"one at a time": (1, None), "batched by the ranks": (16, None)})
     finally:
         engine.close()
     print(f"\nk clients at once on {args.dtp_world} DTP ranks (gloo, sharing the cores), {args.dtp_tokens} greedy "
@@ -344,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows, [("requests", "requests", "d"), ("ms_per_step", "ms/step", ".1f"), ("vs_one", "x one", ".2f"),
                        ("ms_per_row", "ms/row", ".2f")])
     users = concurrency(engine, [int(x) for x in args.users.split(",")], args.tokens,
-                        {"one at a time": 1, "batched": 16})
+                        {"one at a time": (1, None), "batched": (16, None),
+                         "batched, speculation off": (16, "off")})
     print(f"\nk clients at once, {args.tokens} greedy tokens each: client TTFT (send -> first text) and wall time")
     print_table(users, USER_COLUMNS)
     same = copies(engine, 4, 4, args.tokens)

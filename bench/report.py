@@ -116,12 +116,13 @@ def batching_tables(d: dict) -> str:
 
 def _users_table(d: dict) -> list[str]:
     return ["| engine | users | TTFT min ms | median | max | wall s | wall × alone | × its slowest alone | "
-            "mean done s | mean × alone | rows/step |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"] + [
+            "mean done s | mean × alone | worst × its own alone | rows/step |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"] + [
         f"| {r['engine']} | {r['users']} | {r['ttft_min_ms']:.0f} | {r['ttft_median_ms']:.0f} | "
         f"{r['ttft_max_ms']:.0f} | {r['wall_s']:.2f} | {r['wall_vs_alone']:.2f} | "
         f"{_f(r.get('wall_vs_slowest_alone'), '.2f')} | {_f(r.get('mean_done_s'), '.2f')} | "
-        f"{_f(r.get('mean_done_vs_alone'), '.2f')} | {r['rows_per_step']:.1f} |"
+        f"{_f(r.get('mean_done_vs_alone'), '.2f')} | {_f(r.get('worst_vs_own_alone'), '.2f')} | "
+        f"{r['rows_per_step']:.1f} |"
         for r in d.get("users") or []]
 
 

@@ -111,7 +111,7 @@ def test_the_serving_tables_are_generated_from_the_json(tmp_path):
         "step_costs": [{"requests": 4, "ms_per_step": 14.3, "vs_one": 2.01, "ms_per_row": 3.57}],
         "users": [{"engine": "batched", "users": 4, "ttft_min_ms": 90, "ttft_median_ms": 242, "ttft_max_ms": 369,
                    "wall_s": 3.57, "wall_vs_alone": 2.66, "wall_vs_slowest_alone": 1.91, "mean_done_s": 2.9,
-                   "mean_done_vs_alone": 1.5, "rows_per_step": 4.0}],
+                   "mean_done_vs_alone": 1.5, "worst_vs_own_alone": 1.72, "rows_per_step": 4.0}],
         "copies": [{"prompt": 0, "users": 4, "acceptance": 0.97, "alone_ttft_ms": 16.2, "ttft_max_ms": 41.0,
                     "alone_s": 0.31, "wall_s": 0.78, "wall_vs_alone": 2.52},
                    {"prompt": 1, "users": 4, "acceptance": None, "alone_ttft_ms": 15.0, "ttft_max_ms": 40.0,
@@ -130,9 +130,9 @@ def test_the_serving_tables_are_generated_from_the_json(tmp_path):
     text = report(tmp_path)
     assert "The same request from 4 clients at once" in text and "| 0 | 0.97 | 16 | 41 | 0.31 | 0.78 | 2.52 |" in text
     assert "| 1 | – | 15 | 40 | 0.50 | 0.90 | 1.80 |" in text  # a request that never drafted
-    assert "| 4 | 14.3 | 2.01 | 3.57 |" in text and "| batched | 4 | 90 | 242 | 369 | 3.57 | 2.66 | 1.91 | 2.90 | 1.50 | 4.0 |" in text
+    assert "| 4 | 14.3 | 2.01 | 3.57 |" in text and "| batched | 4 | 90 | 242 | 369 | 3.57 | 2.66 | 1.91 | 2.90 | 1.50 | 1.72 | 4.0 |" in text
     # a run from before the column: a dash in its place
-    assert "on 3 DTP ranks (int4" in text and "| batched by the ranks | 4 | 364 | 1086 | 1543 | 17.16 | 2.20 | – | – | – | 4.0 |" in text
+    assert "on 3 DTP ranks (int4" in text and "| batched by the ranks | 4 | 364 | 1086 | 1543 | 17.16 | 2.20 | – | – | – | – | 4.0 |" in text
     assert "512 prompt tokens reused" in text and "(0.54)" in text and "flagged noisy" in text
     assert "| llama-server | 4 | 300 | 2000 | 20.0 | 90.0 | 40.0 | 120.0 |" in text
     # a run checked before and after (a list of records) is flagged when either check found the machine busy
