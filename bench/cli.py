@@ -16,6 +16,7 @@ BENCHMARKS = {
     "prefill": "laneplay.bench.prefill",  # long prompts: TTFT and prompt tokens/s vs transformers
     "batching": "laneplay.bench.batching",  # many users on one engine: shared step cost, concurrent TTFT
     "serving": "laneplay.bench.serving",  # open-loop arrivals at several loads, ours vs llama-server
+    "load": "laneplay.bench.serving",  # the same (the name the load issue gave it); a burst against a URL: bench/load.py
     "spec": "laneplay.bench.spec",  # prompt-lookup speculation on code edits and plain completions
 }
 ALL = ("decode", "dtp", "prefill")  # what `laneplay bench` runs without a name
@@ -28,6 +29,7 @@ QUICK = {"decode": ["--rounds", "1", "--new-tokens", "4", "--ours", "eager", "--
          "batching": ["--rows", "1,4", "--users", "1,4", "--tokens", "16", "--join-tokens", "300",
                       "--passn-problems", "1", "--dtp-users", "1,2", "--dtp-tokens", "8"],
          "serving": ["--loads", "2", "--requests", "4"],
+         "load": ["--loads", "2", "--requests", "4"],
          "spec": ["--edits", "4", "--plain", "1", "--tokens", "32", "--plain-tokens", "16", "--cost-rounds", "1"]}
 
 

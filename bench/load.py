@@ -1,11 +1,13 @@
-"""Load test for the engine server: N concurrent streaming clients; TTFT, queue wait and tokens/s percentiles.
+"""Burst test for a running engine server: N concurrent streaming clients; TTFT, queue wait and tokens/s percentiles.
 
     python -m laneplay.bench.load --url http://127.0.0.1:8000 --clients 20 --max-tokens 32
 
-All clients send one streaming request at the same moment. The engine runs one request at a time
-(latency first), so client TTFT (send -> first text) grows with the queue; the server's own numbers
--- queue wait, engine TTFT, decode tokens/s -- come from the "laneplay" field of each final chunk.
-Prints a table and writes JSON to bench/results/load-<time>.json.
+All clients send one streaming request at the same moment. The engine steps the requests it admits
+together (iteration-level batching, up to its `--max-rows`) and queues the rest, so client TTFT (send ->
+first text) grows with the queue beyond that; the server's own numbers -- queue wait, engine TTFT, decode
+tokens/s -- come from the "laneplay" field of each final chunk. Prints a table and writes JSON to
+bench/results/load-<time>.json. Open-loop arrivals at several loads, ours against llama.cpp's llama-server
+on the same GGUF, is `laneplay bench load` (bench/serving.py).
 """
 from __future__ import annotations
 

@@ -145,3 +145,20 @@ def test_the_serving_tables_are_generated_from_the_json(tmp_path):
                   "min_speedup": 0.7, "acceptance": 0.61, "tokens_per_step": 2.15, "same_tokens": 40}}))
     text = report(tmp_path)
     assert "flagged noisy" in text and "| 40 | 140.0 | 190.0 | 1.43 |" in text
+
+
+def test_bench_load_is_the_open_loop_serving_bench(monkeypatch):
+    """`laneplay bench load` (the name the many-users issue gives it) runs bench/serving.py with its
+    arguments; `python -m laneplay.bench.load --url` stays the burst against a running server."""
+    import argparse
+
+    from laneplay.bench import load, serving
+
+    p = argparse.ArgumentParser()
+    cli.add_arguments(p)
+    args = p.parse_args(["load", "--quick", "--allow-noisy", "--out", "elsewhere"])
+    seen = {}
+    monkeypatch.setattr(serving, "main", lambda argv: seen.setdefault("argv", argv) and 0)
+    assert cli.run(args) == 0
+    assert seen["argv"] == [*cli.QUICK["serving"], "--allow-noisy", "--out", "elsewhere"]
+    assert "open-loop" in (serving.__doc__ or "").lower() and "--url" in (load.__doc__ or "")
