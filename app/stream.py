@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -124,7 +125,7 @@ def _float(text: str) -> float | None:
         x = float(text)
     except ValueError:
         return None
-    return x if x >= 0 and x == x and x != float("inf") else None
+    return x if math.isfinite(x) and x >= 0 else None
 
 
 def _count(text: str) -> int | None:

@@ -16,9 +16,11 @@ BENCHMARKS = {
     "prefill": "laneplay.bench.prefill",  # long prompts: TTFT and prompt tokens/s vs transformers
     "batching": "laneplay.bench.batching",  # many users on one engine: shared step cost, concurrent TTFT
     "serving": "laneplay.bench.serving",  # open-loop arrivals at several loads, ours vs llama-server
-    "load": "laneplay.bench.serving",  # the same (the name the load issue gave it); a burst against a URL: bench/load.py
     "spec": "laneplay.bench.spec",  # prompt-lookup speculation on code edits and plain completions
 }
+# `laneplay bench load` is the serving bench under the name the many-users issue gives it (a burst of
+# requests against a running server is `python -m laneplay.bench.load --url`)
+BENCHMARKS["load"] = BENCHMARKS["serving"]
 ALL = ("decode", "dtp", "prefill")  # what `laneplay bench` runs without a name
 # Smoke sizes: every engine, peer and table of the full run, on a few tokens. The long prompts (160
 # tokens) are still longer than one prefill chunk (PREFILL_CHUNK, 128), so they are prefilled in pieces.
@@ -29,8 +31,8 @@ QUICK = {"decode": ["--rounds", "1", "--new-tokens", "4", "--ours", "eager", "--
          "batching": ["--rows", "1,4", "--users", "1,4", "--tokens", "16", "--join-tokens", "300",
                       "--passn-problems", "1", "--dtp-users", "1,2", "--dtp-tokens", "8"],
          "serving": ["--loads", "2", "--requests", "4"],
-         "load": ["--loads", "2", "--requests", "4"],
          "spec": ["--edits", "4", "--plain", "1", "--tokens", "32", "--plain-tokens", "16", "--cost-rounds", "1"]}
+QUICK["load"] = QUICK["serving"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

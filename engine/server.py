@@ -528,11 +528,11 @@ def _sse(obj) -> str:
 async def stream_reply(reply: Reply, n: int, include_usage: bool, scheduler: Scheduler | None = None):
     """SSE chunks of one streamed request. Before the first chunk, SSE comments (which OpenAI clients
     skip) say where the request is: `: laneplay queued <position>` while it waits for the engine, then
-    `: laneplay running <queue_ms>` when the engine takes it (how long it waited, ms). While a choice speculates, a comment before its chunk
-    carries its counts whenever they change: `: laneplay speculative <index> <draft_tokens>
-    <accepted_tokens> <decode_steps> <completion_tokens> <paused_steps> <paused>` (tokens per step =
-    (completion_tokens - 1) / decode_steps, acceptance = accepted_tokens / draft_tokens; paused 1 while
-    "auto" holds its drafts back beside other requests, paused_steps the steps it did)."""
+    `: laneplay running <queue_ms>` when the engine takes it (how long it waited, ms). While a choice
+    speculates, a comment before its chunk carries its counts whenever they change: `: laneplay speculative
+    <index> <draft_tokens> <accepted_tokens> <decode_steps> <completion_tokens> <paused_steps> <paused>`
+    (tokens per step = (completion_tokens - 1) / decode_steps, acceptance = accepted_tokens / draft_tokens;
+    paused 1 while "auto" holds its drafts back beside other requests, paused_steps the steps it did)."""
     started, finished, error, sharing = set(), 0, None, 0
     spec_counts: dict[int, tuple] = {}
     position = scheduler.position(reply.job) if scheduler is not None else None

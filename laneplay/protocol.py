@@ -4,11 +4,11 @@ Beside the modules of the package, importing nothing (no HTTP library either): `
 `engine/server_cli.py` write with it, `laneplay.api_client` reads with it.
 
 - SSE comments (which OpenAI clients skip) before and between a stream's chunks:
-  `: laneplay queued <position>` while the request waits for the engine, `: laneplay running <queue_ms>` when the
-  engine takes it (the ms it waited), `: laneplay sharing <k>` when k other requests share its decode steps, `: laneplay
-  speculative <choice> <drafted> <accepted> <steps> <tokens> <paused_steps> <paused>` while a choice
-  speculates. Any other
-  `: laneplay <word> <args...>` is read the same way (a word a newer server sends reaches the client).
+  `: laneplay queued <position>` while the request waits for the engine, `: laneplay running <queue_ms>`
+  when the engine takes it (the ms it waited), `: laneplay sharing <k>` when k other requests share its
+  decode steps, `: laneplay speculative <choice> <drafted> <accepted> <steps> <tokens> <paused_steps>
+  <paused>` while a choice speculates. Any other `: laneplay <word> <args...>` is read the same way (a word
+  a newer server sends reaches the client).
 - Stage lines on the engine's stderr while it starts: `laneplay-engine-stage: <stage>` (`laneplay serve`
   shows them).
 """
