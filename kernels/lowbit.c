@@ -526,7 +526,7 @@ VNNI_FN static void tile16b_vnni(int fmt, int64_t nb, int64_t row_bytes, const i
 
 /* ---- AMX: 16 weight rows with up to 16 activation rows per tile operation -------------------------
  * Sapphire Rapids and later multiply int8 tiles: C[t][r] += sum_k A[t][k] B[k/4][4r + k%4], A the
- * activation codes (T rows of one block's 32 values, read in place: natural order), B one block of
+ * activation codes (rows of one block's 32 values, read in place: natural order), B one block of
  * 16 weight rows, four values of a row per 32-bit column. B comes from the weight's tile copy (tile_pack:
  * per 16 rows and block, the packed bytes in B's column order, and the 16 rows' scales side by side), so
  * a block is a few sequential loads (q4: split into nibbles on the way). TDPBSUD (q4: codes 0..15) or
@@ -534,15 +534,19 @@ VNNI_FN static void tile16b_vnni(int fmt, int64_t nb, int64_t row_bytes, const i
  * activations, once for their rests (254 sum(w q) + sum(w q2), formed in float with one rounding, none
  * for q4's sums). The float part is the VNNI kernel's, in its order (see tile16b_t): per output, one
  * chain over the blocks, acc = fma(S_b, d_b x_b, acc), for q4 a second chain for the minimum,
- * macc = fma(m_b, s_b, macc), and out = acc + macc. A row's result is the same alone, with any other rows, or on the VNNI kernel.
+ * macc = fma(m_b, s_b, macc), and out = acc + macc. A row's result is the same alone, with any other
+ * rows, or on the VNNI kernel.
+ * With 16-bit activations each row's rests are quantized right after its codes (act_at: row t's codes,
+ * then its rests, then row t + 1's), so one A tile of 2T rows holds T rows' codes and rests, and one
+ * product gives both sums; the rows go in chunks of AMX_PAIRS.
  * What a tile operation costs is mostly waiting: the unpacked weights are stored, then loaded as a tile;
  * the sums are stored from a tile, then loaded into vectors. So the blocks go AMX_NB at a time, each
- * phase over all of them (unpack, tile products, float part), and a load never waits on the store just
- * before it. With at most 8 activation rows (decode steps) the codes and their rests are one A tile of
- * 2T rows (the rests are quantized right after the codes, act_at), so one product gives both sums.
+ * phase over all of them (unpack, tile products, float part), two blocks' products at a time on tiles
+ * of their own, and a load never waits on the store just before it.
  * Products of AMX_MIN_ROWS rows or more (by default all of them) run on the tiles where the weight has its
  * tile copy: with the copy prefetched (AMX_PREFETCH) the tiles are ahead from one row on. */
 #define AMX_FN __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,amx-tile,amx-int8")))
+#define AMX_PAIRS 8 /* rows per chunk with 16-bit activations: codes and rests, 2 x 8 tile rows */
 
 typedef struct {
     uint8_t palette, start;
@@ -551,32 +555,45 @@ typedef struct {
     uint8_t rows[16];
 } tilecfg_t;
 
-/* tmm0, tmm1: C for the codes and the rests (T x 16 int32); tmm2, tmm3: A (T x 32 bytes); tmm4: B.
- * fused: tmm0 and tmm2 take 2T rows (codes, then rests) and tmm1, tmm3 are unused. */
-AMX_FN static void amx_config(int T, int fused) {
+/* tmm0, tmm1: C (A's rows x 16 int32); tmm2, tmm3: A (rows x 32 bytes); tmm4, tmm5: B; the two sets
+ * take alternate blocks. A's rows: T, or 2T with the rests (`pairs`). */
+AMX_FN static void amx_config(int T, int pairs) {
     tilecfg_t c __attribute__((aligned(64)));
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    c.rows[0] = c.rows[2] = (uint8_t)(fused ? 2 * T : T);
-    c.colsb[0] = 64;
-    c.colsb[2] = QK;
-    if (!fused) {
-        c.rows[1] = c.rows[3] = (uint8_t)T;
-        c.colsb[1] = 64;
-        c.colsb[3] = QK;
-    }
-    c.rows[4] = QK / 4;
-    c.colsb[4] = 64;
+    c.rows[0] = c.rows[1] = c.rows[2] = c.rows[3] = (uint8_t)(pairs ? 2 * T : T);
+    c.colsb[0] = c.colsb[1] = 64;
+    c.colsb[2] = c.colsb[3] = QK;
+    c.rows[4] = c.rows[5] = QK / 4;
+    c.colsb[4] = c.colsb[5] = 64;
     __asm__ volatile("" : : "r"(&c) : "memory");  /* GCC 12 drops the stores before ldtilecfg otherwise */
     _tile_loadconfig(&c);
 }
 
+/* Where the float part keeps row i's sums (its codes' chain at i, q4's minimum at rows + i): in the
+ * second KB of each 2 KB from a 2 KB boundary, while the tiles store into the first KB of each 2 KB of
+ * the (2 KB-aligned) cb. A load that shares its address's low 12 bits with a store still in flight waits
+ * for it (4K aliasing): where the sums met the tile stores, 3-8 row products on 2 threads took up to
+ * 1.45x the time. */
+#define AMX_SUM(base, i) ((__m512 *)((char *)(base) + ((i) >> 4) * 2048 + 1024) + ((i) & 15))
+/* the bytes of sums for `vectors` of them (the place they start from is 2 KB-aligned) */
+static size_t amx_sum_span(int64_t vectors) { return (size_t)((vectors + 15) / 16) * 2048; }
+
+/* How M rows go on the tiles: `chunks` chunks of T rows (the last one padded), as few as A's 16 tile rows
+ * allow (AMX_PAIRS rows with their rests), so every chunk meets each block of the weights in one pass. */
+static int amx_chunks(int64_t M, int pairs, int64_t *chunks) {
+    const int64_t most = pairs ? AMX_PAIRS : AMX_ROWS, n = (M + most - 1) / most;
+    *chunks = n;
+    return (int)((M + n - 1) / n);
+}
+
 /* 16 weight rows (the R <= 16 of them that exist give outputs; qt, dt, mt: their group in the tile copy)
- * with `chunks` x T activation rows, T <= 16 (codes xq, rests xq2 or NULL, row t at + t * xstride, natural
- * order; scales and sums at xd, xs + t * sstride), each block of the weights unpacked once for all of
- * them: y[t * ystride + r] set (or added to, acc_y). The tile configuration for T must be loaded
- * (amx_config); fused: the rests' rows follow the codes' (xq2 = xq + T xstride, 2T <= 16, chunks 1).
- * `sums` holds 2 x 16 floats per activation row. */
+ * with `chunks` x T activation rows, the first `live` of them real (the others pad the last chunk: their
+ * outputs are not stored), T <= 16 (codes xq; with `pairs`, T <= AMX_PAIRS, each row's codes
+ * then its rests, so row t's codes at xq + 2 t xstride; else row t at xq + t xstride; scales and sums
+ * at xd, xs + t * sstride), each block of the weights unpacked once for all of them: y[t * ystride + r]
+ * set (or added to, acc_y). The tile configuration for T must be loaded (amx_config). `sums`: 2 KB-aligned,
+ * amx_sum_span(2 T chunks) bytes, used where the rows' sums do not fit beside the tiles' (T chunks > 8). */
 #define AMX_NB 6
 /* How far ahead (bytes of the tile copy; its scales: an eighth of that) the next blocks are fetched: the
  * copy is one sequential stream per thread (groups follow each other), and without this a step on the
@@ -584,17 +601,18 @@ AMX_FN static void amx_config(int T, int fused) {
  * it 4.9; 1,536-3,072 bytes all did as well). */
 #define AMX_PREFETCH 2048
 AMX_FN static void tile_amx(int fmt, int64_t nb, const int8_t *qt, const uint16_t *dt, const uint16_t *mt, int R,
-                            int T, int chunks, int fused, const int8_t *xq,
-                            const int8_t *xq2, int64_t xstride, const float *xd, const float *xs, int64_t sstride,
-                            float *y, int64_t ystride, int acc_y, float *sums) {
+                            int T, int chunks, int live, int pairs, const int8_t *xq, int64_t xstride,
+                            const float *xd, const float *xs, int64_t sstride, float *y, int64_t ystride, int acc_y,
+                            char *sums) {
     const int rows = T * chunks;
     const int64_t tb = tile_bytes(fmt);
     const __m512i low4 = _mm512_set1_epi8(0x0F);
     const __m512 k254 = _mm512_set1_ps(254.0f);
     int8_t bt[AMX_NB][QK / 4][64] __attribute__((aligned(64)));
-    int32_t cb[AMX_NB][2][AMX_ROWS][AMX_ROWS] __attribute__((aligned(64)));  /* [block][codes, rests][t][r] */
-    __m512 *acc = (__m512 *)sums, *macc = acc + rows, ds[AMX_NB], ms[AMX_NB];
-    for (int t = 0; t < rows; t++) acc[t] = macc[t] = _mm512_setzero_ps();
+    int32_t cb[2 * AMX_NB][2][AMX_ROWS][AMX_ROWS] __attribute__((aligned(2048)));  /* [chunk x block][first KB: C] */
+    char *sb = 2 * rows <= AMX_ROWS ? (char *)cb : sums;  /* the sums' place (AMX_SUM) */
+    __m512 ds[AMX_NB], ms[AMX_NB];
+    for (int t = 0; t < rows; t++) *AMX_SUM(sb, t) = *AMX_SUM(sb, rows + t) = _mm512_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += AMX_NB) {
         const int nj = nb - b0 < AMX_NB ? (int)(nb - b0) : AMX_NB;
         for (int j = 0; j < nj; j++) {  /* the blocks' scales; q4: the blocks split into nibbles */
@@ -615,41 +633,68 @@ AMX_FN static void tile_amx(int fmt, int64_t nb, const int8_t *qt, const uint16_
                 }
             }
         }
-        for (int c = 0; c < chunks; c++) {
-            const int64_t t0 = (int64_t)c * T;
-            for (int j = 0; j < nj; j++) {  /* the tile products */
-                const int64_t b = b0 + j;
-                _tile_loadd(4, fmt == FMT_Q4 ? (const void *)bt[j] : (const void *)(qt + b * QK / 4 * 64), 64);
-                _tile_zero(0);
-                _tile_loadd(2, xq + t0 * xstride + b * QK, xstride);
-                if (fmt == FMT_Q4) _tile_dpbsud(0, 2, 4); else _tile_dpbssd(0, 2, 4);
-                _tile_stored(0, cb[j][0], 64);
-                if (xq2 && !fused) {
-                    _tile_zero(1);
-                    _tile_loadd(3, xq2 + t0 * xstride + b * QK, xstride);
-                    if (fmt == FMT_Q4) _tile_dpbsud(1, 3, 4); else _tile_dpbssd(1, 3, 4);
-                    _tile_stored(1, cb[j][1], 64);
-                }
+        for (int c = 0; c < chunks; c += 2) {
+            /* two chunks: block by block, both chunks' products from one B (alternate B tiles); one chunk: two
+             * blocks at a time. Either way two chains of tile operations are in flight. */
+            const int both = c + 1 < chunks;
+            const int64_t t0 = (int64_t)c * T, cstride = (int64_t)T * (pairs ? 2 : 1) * xstride;
+            const int8_t *xa = xq + t0 * (pairs ? 2 : 1) * xstride + b0 * QK;
+#define AMX_B(j) (fmt == FMT_Q4 ? (const void *)bt[j] : (const void *)(qt + (b0 + (j)) * QK / 4 * 64))
+#define AMX_DP(C, A, B) do { if (fmt == FMT_Q4) _tile_dpbsud(C, A, B); else _tile_dpbssd(C, A, B); } while (0)
+#define AMX_BOTH(j, B)                                                                                        \
+    do {                                                                                                      \
+        _tile_loadd(B, AMX_B(j), 64);                                                                         \
+        _tile_loadd(2, xa + (j) * QK, xstride);                                                               \
+        _tile_loadd(3, xa + cstride + (j) * QK, xstride);                                                     \
+        _tile_zero(0);                                                                                        \
+        _tile_zero(1);                                                                                        \
+        AMX_DP(0, 2, B);                                                                                      \
+        AMX_DP(1, 3, B);                                                                                      \
+        _tile_stored(0, cb[j][0], 64);                                                                        \
+        _tile_stored(1, cb[AMX_NB + (j)][0], 64);                                                             \
+    } while (0)
+            for (int j = 0; both && j < nj; j += 2) {
+                AMX_BOTH(j, 4);
+                if (j + 1 < nj) AMX_BOTH(j + 1, 5);
             }
-            for (int t = 0; t < T; t++) {  /* the float part, row by row over the blocks */
+            for (int j = 0; !both && j < nj; j += 2) {
+                const int two = j + 1 < nj;
+                _tile_loadd(4, AMX_B(j), 64);
+                _tile_loadd(2, xa + j * QK, xstride);
+                _tile_zero(0);
+                if (two) {
+                    _tile_loadd(5, AMX_B(j + 1), 64);
+                    _tile_loadd(3, xa + (j + 1) * QK, xstride);
+                    _tile_zero(1);
+                }
+                AMX_DP(0, 2, 4);
+                if (two) AMX_DP(1, 3, 5);
+                _tile_stored(0, cb[j][0], 64);
+                if (two) _tile_stored(1, cb[j + 1][0], 64);
+            }
+#undef AMX_BOTH
+#undef AMX_DP
+#undef AMX_B
+            for (int t = 0; t < (both ? 2 * T : T); t++) {  /* the float part, row by row over the blocks */
                 const int64_t row = t0 + t;
+                const int tt = t < T ? t : t - T, jc = t < T ? 0 : AMX_NB;  /* its row in its chunk's sums */
                 const float *xdr = xd + row * sstride + b0, *xsr = xs + row * sstride + b0;
-                __m512 a = acc[row], ma = macc[row];
+                __m512 a = *AMX_SUM(sb, row), ma = *AMX_SUM(sb, rows + row);
                 for (int j = 0; j < nj; j++) {
-                    const int32_t *rest = fused ? cb[j][0][T + t] : cb[j][1][t];
-                    __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)cb[j][0][t]));
-                    if (xq2) s = _mm512_fmadd_ps(s, k254, _mm512_cvtepi32_ps(_mm512_load_si512((const void *)rest)));
+                    const int32_t(*C)[AMX_ROWS] = cb[jc + j][0];
+                    __m512 s = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)C[pairs ? 2 * tt : tt]));
+                    if (pairs) s = _mm512_fmadd_ps(s, k254, _mm512_cvtepi32_ps(_mm512_load_si512((const void *)C[2 * tt + 1])));
                     a = _mm512_fmadd_ps(s, _mm512_mul_ps(ds[j], _mm512_set1_ps(xdr[j])), a);
                     if (fmt == FMT_Q4) ma = _mm512_fmadd_ps(ms[j], _mm512_set1_ps(xsr[j]), ma);
                 }
-                acc[row] = a;
-                macc[row] = ma;
+                *AMX_SUM(sb, row) = a;
+                *AMX_SUM(sb, rows + row) = ma;
             }
         }
     }
     const __mmask16 keep = (__mmask16)((1u << R) - 1);
-    for (int t = 0; t < rows; t++) {
-        __m512 out = fmt == FMT_Q4 ? _mm512_add_ps(acc[t], macc[t]) : acc[t];
+    for (int t = 0; t < live; t++) {
+        __m512 out = fmt == FMT_Q4 ? _mm512_add_ps(*AMX_SUM(sb, t), *AMX_SUM(sb, rows + t)) : *AMX_SUM(sb, t);
         if (acc_y) out = _mm512_add_ps(_mm512_maskz_loadu_ps(keep, y + t * ystride), out);
         _mm512_mask_storeu_ps(y + t * ystride, keep, out);
     }
@@ -895,28 +940,75 @@ enum { PRE_NONE = 0, PRE_RMSNORM = 1, PRE_SWIGLU = 2 };
 static inline float swiglu1(float gate, float up) { return gate / (1.0f + expf(-gate)) * up; }
 #ifdef LP_X86
 AVX2_FN static void swiglu_avx2(const float *x, int64_t K, float *tmp);
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512dq"))) static void swiglu512(const float *x, int64_t K,
+                                                                                        float *tmp);
+#endif
+
+/* The sum of squares an RMSNorm takes, in double (each square exact): element k goes to partial sum k % 16,
+ * in order, and the 16 partials are added by one fixed tree, so the AVX2 loop (four vectors of four
+ * partials) gives the same sum bit for bit as this one. */
+static double squares_tree(const double *p) {
+    double t[4];
+    for (int i = 0; i < 4; i++) t[i] = (p[i] + p[4 + i]) + (p[8 + i] + p[12 + i]);
+    return (t[0] + t[1]) + (t[2] + t[3]);
+}
+
+static double sum_squares(const float *x, int64_t K) {
+    double p[16] = {0};
+    for (int64_t k = 0; k < K; k++) p[k % 16] += (double)x[k] * x[k];
+    return squares_tree(p);
+}
+
+#ifdef LP_X86
+AVX2_FN static double sum_squares_avx2(const float *x, int64_t K) {
+    __m256d a[4] = {_mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd(), _mm256_setzero_pd()};
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16)
+        for (int i = 0; i < 4; i++) {
+            __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(x + k + 4 * i));
+            a[i] = _mm256_add_pd(a[i], _mm256_mul_pd(v, v));
+        }
+    double p[16];
+    for (int i = 0; i < 4; i++) _mm256_storeu_pd(p + 4 * i, a[i]);
+    for (; k < K; k++) p[k % 16] += (double)x[k] * x[k];
+    return squares_tree(p);
+}
 #endif
 
 /* The row the product sees. RMSNorm: x * rsqrt(mean(x^2) + eps) * g (g one vector, or one per lane).
- * SwiGLU: the input row holds [gate | up] (2K values): silu(gate) * up; with `fast` (the kernels other
- * than the generic one) 8 values at a time, exp from a polynomial (relative error ~2e-7). */
-static const float *pre_row(int pre, const float *x, int64_t K, const float *g, float eps, float *tmp, int fast) {
+ * SwiGLU: the input row holds [gate | up] (2K values): silu(gate) * up; from level 1 (pre_level: the
+ * kernels other than the generic one) 8 values at a time (level 2, AVX-512: 16, the same operations per
+ * value), exp from a polynomial (relative error ~2e-7). */
+static const float *pre_row(int pre, const float *x, int64_t K, const float *g, float eps, float *tmp, int level) {
     if (pre == PRE_NONE) return x;
     if (pre == PRE_RMSNORM) {
-        double ss = 0.0;
-        for (int64_t k = 0; k < K; k++) ss += (double)x[k] * x[k];
+#ifdef LP_X86
+        double ss = level ? sum_squares_avx2(x, K) : sum_squares(x, K);
+#else
+        double ss = sum_squares(x, K);
+#endif
         float r = 1.0f / sqrtf((float)(ss / (double)K) + eps);
         for (int64_t k = 0; k < K; k++) tmp[k] = (x[k] * r) * g[k];
         return tmp;
     }
 #ifdef LP_X86
-    if (fast) {
-        swiglu_avx2(x, K, tmp);
+    if (level) {
+        (level == 2 ? swiglu512 : swiglu_avx2)(x, K, tmp);
         return tmp;
     }
 #endif
     for (int64_t k = 0; k < K; k++) tmp[k] = swiglu1(x[k], x[K + k]);
     return tmp;
+}
+
+/* The loops pre_row takes: 0 the scalar ones (the generic kernel), 1 AVX2, 2 AVX-512 (TILE16: the VNNI and
+ * AMX kernels) */
+static int pre_level(void) {
+#ifdef LP_X86
+    return TILE16 ? 2 : DOT != dot_generic ? 1 : 0;
+#else
+    return 0;
+#endif
 }
 
 /* ---- the team: one OpenMP region per call, with our own barrier inside it -------------------------
@@ -940,8 +1032,34 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-/* Every one of the nth threads calls it; none returns before all have arrived. */
+#ifdef LP_PHASES
+static double PH_WORK[2][64], PH_WAIT[2][64];
+static double PH_LAST[2];
+static int PH_IDX[2];
+static double ph_now(void) { struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts); return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3; }
+static void ph_start(int tid) { PH_IDX[tid] = 0; PH_LAST[tid] = ph_now(); }
+static PyObject *py_phases(PyObject *self, PyObject *noargs) {
+    PyObject *l = PyList_New(0);
+    for (int t = 0; t < 2; t++) for (int i = 0; i < 64; i++) { PyList_Append(l, PyFloat_FromDouble(PH_WORK[t][i])); PyList_Append(l, PyFloat_FromDouble(PH_WAIT[t][i])); PH_WORK[t][i] = PH_WAIT[t][i] = 0; }
+    return l;
+}
+#endif
+static void team_sync_(team_t *t, int nth);
 static void team_sync(team_t *t, int nth) {
+#ifdef LP_PHASES
+    int tid = omp_get_thread_num();
+    double a = ph_now();
+    int k = PH_IDX[tid] < 11 * 30 ? PH_IDX[tid] % 11 : 20 + (PH_IDX[tid] - 11 * 30) % 20;
+    PH_WORK[tid][k] += a - PH_LAST[tid];
+    team_sync_(t, nth);
+    PH_LAST[tid] = ph_now();
+    PH_WAIT[tid][k] += PH_LAST[tid] - a;
+    PH_IDX[tid]++;
+#else
+    team_sync_(t, nth);
+#endif
+}
+static void team_sync_(team_t *t, int nth) {
     if (nth == 1) return;
     int phase = atomic_load_explicit(&t->phase, memory_order_relaxed);
     if (atomic_fetch_add_explicit(&t->arrived, 1, memory_order_acq_rel) == nth - 1) {
@@ -986,34 +1104,49 @@ typedef struct {
     int8_t *xq, *xq2;
     float *xd, *xs, *tmp;
     int16_t *x16;  /* activations widened for TILE16 */
-    float *sums;   /* the tiles' sums, 2 x 16 x M floats per thread (amx_sum_bytes) */
+    float *sums;   /* the tiles' sums per thread, from a 2 KB boundary (amx_sum_bytes, AMX_SUM) */
 } act_t;
 
 static int act_hi(void) { return ACT_BITS == 16; }
 
-/* The tiles' per-thread sums (2 x 16 floats per row: codes and q4's minimum) when a product runs on them */
+/* The tiles' per-thread sums (a vector per row for the codes, one for q4's minimum, AMX_SUM's places) when a
+ * product runs on them */
+static size_t amx_sum_bytes(int64_t M, int nthreads);
+
+/* The rows a product's scratch holds per lane: M, and on the tiles the last chunk's padding (amx_chunks) */
+static int64_t act_rows(int64_t M) {
+#ifdef LP_X86
+    if (USE_AMX && M >= AMX_MIN_ROWS) {
+        int64_t chunks;
+        return amx_chunks(M, act_hi(), &chunks) * chunks;
+    }
+#endif
+    return M;
+}
+
 static size_t amx_sum_bytes(int64_t M, int nthreads) {
 #ifdef LP_X86
-    if (USE_AMX && M >= AMX_MIN_ROWS) return sizeof(float) * 2 * AMX_ROWS * (size_t)(M * nthreads);
+    if (USE_AMX && M >= AMX_MIN_ROWS) return amx_sum_span(2 * act_rows(M)) * (size_t)nthreads + 2048;  /* + alignment */
 #endif
     return 0;
 }
 
 static size_t act_bytes(const packed_t *w, int64_t M, int pre, int nthreads, size_t *q_bytes) {
-    int64_t rows = w->L * M, ns = SPAD(w->Kp / QK);
+    int64_t rows = w->L * act_rows(M), ns = SPAD(w->Kp / QK);
     size_t q = (size_t)(rows * w->Kp + 63) / 64 * 64, s = 2 * sizeof(float) * (size_t)(rows * ns);
     size_t t = pre != PRE_NONE ? sizeof(float) * (size_t)(w->K * nthreads) : 0;
     if (q_bytes) *q_bytes = q;
     return ((1 + act_hi()) * q + s + t + 63) / 64 * 64 + 2 * q + amx_sum_bytes(M, nthreads);
 }
 
-/* The rests' codes start right after the codes' (rows x Kp bytes): the AMX tiles read a few rows of both as
- * one tile (tile_amx, fused). */
+/* The rests' codes start right after the codes' (rows x Kp bytes); a product on the AMX tiles puts them
+ * row by row instead (row t's codes, its rests, row t + 1's codes...: linear_team), so that a tile reads
+ * a few rows of both (tile_amx, pairs). */
 static act_t act_at(int8_t *base, const packed_t *w, int64_t M, int pre, int nthreads) {
     size_t q;
     size_t all = act_bytes(w, M, pre, nthreads, &q), sums = amx_sum_bytes(M, nthreads);
     int hi = act_hi();
-    int64_t rows = w->L * M, ns = SPAD(w->Kp / QK);
+    int64_t rows = w->L * act_rows(M), ns = SPAD(w->Kp / QK);
     act_t a = {base, hi ? base + rows * w->Kp : NULL, (float *)(base + (1 + hi) * q), NULL, NULL, NULL, NULL};
     a.xs = a.xd + rows * ns;
     a.tmp = a.xs + rows * ns;
@@ -1062,42 +1195,47 @@ static void linear_team(const packed_t *w, int64_t M, const float *x, float *y, 
     /* the VNNI tiles take 8-bit activations too (q alone), in the same order as 16-bit ones */
     int paired = fmt == FMT_Q4 && DOT != dot_generic && !amx, hi = act_hi(), wide16 = TILE16 && !amx;
     int nw = linear_wide(w, M) ? nth : 1;  /* the threads that work; the others only meet them */
-    int64_t lo, up;
+    int64_t lo, up, chunks = 1;
+    /* on the tiles: chunks of T rows, each lane's rows padded to Mp (amx_chunks), each row's rests right
+     * after its codes (tile_amx: `pairs`) */
+    const int T = amx ? amx_chunks(M, hi, &chunks) : 0;
+    const int64_t Mp = amx ? T * chunks : M, step = amx && hi ? 2 : 1;
     if (tid < nw) {
         float *mine = a->tmp + (pre != PRE_NONE ? K * tid : 0);
         share(rows, tid, nw, &lo, &up);
         for (int64_t r = lo; r < up; r++) {
             const float *row = pre_row(pre, x + r * xstride, K, g + (g_lanes ? (r / M) * K : 0), eps, mine,
-                                       DOT != dot_generic);
-            (DOT != dot_generic ? QUANTIZE_FAST : quantize_act)(row, K, Kp, a->xq + r * Kp, a->xd + r * ns,
-                                                                a->xs + r * ns, paired, hi ? a->xq2 + r * Kp : NULL);
+                                       pre_level());
+            const int64_t at = (r / M) * Mp + r % M;  /* its place in the scratch */
+            int8_t *xq = a->xq + step * at * Kp;
+            int8_t *xq2 = !hi ? NULL : amx ? xq + Kp : a->xq2 + at * Kp;
+            (DOT != dot_generic ? QUANTIZE_FAST : quantize_act)(row, K, Kp, xq, a->xd + at * ns, a->xs + at * ns,
+                                                                paired, xq2);
             if (wide16) widen16(a->xq + r * Kp, hi ? a->xq2 + r * Kp : NULL, Kp, a->x16 + r * Kp);
         }
+        if (tid == 0 && Mp > M)  /* the padding rows: zeros (their outputs are not stored) */
+            for (int64_t l = 0; l < L; l++) {
+                memset(a->xq + step * (l * Mp + M) * Kp, 0, (size_t)(step * (Mp - M) * Kp));
+                memset(a->xd + (l * Mp + M) * ns, 0, sizeof(float) * (size_t)((Mp - M) * ns));
+                memset(a->xs + (l * Mp + M) * ns, 0, sizeof(float) * (size_t)((Mp - M) * ns));
+            }
     }
     team_sync(team, nth);
 #ifdef LP_X86
-    if (amx && tid < nw) {  /* 16 weight rows at a time with the tokens in chunks of 16, then the rest */
+    if (amx && tid < nw) {  /* 16 weight rows at a time with each lane's rows in chunks of T */
         const int64_t groups = (N + AMX_ROWS - 1) / AMX_ROWS;
         share(groups, tid, nw, &lo, &up);
-        float *sums = a->sums + 2 * AMX_ROWS * M * tid;
-        for (int pass = 0; pass < 2 && lo < up; pass++) {
-            int T = pass == 0 ? AMX_ROWS : (int)(M % AMX_ROWS), chunks = pass == 0 ? (int)(M / AMX_ROWS) : 1;
-            int64_t t0 = pass == 0 ? 0 : M - M % AMX_ROWS;
-            if (T == 0 || chunks == 0) continue;
-            const int fused = hi && L == 1 && 2 * M <= AMX_ROWS;  /* the rests follow the codes: one A tile */
-            amx_config(T, fused);
-            for (int64_t l = 0; l < L; l++) {
-                int64_t row = l * M + t0;
-                for (int64_t gi = lo; gi < up; gi++) {
-                    int64_t n = gi * AMX_ROWS, g = l * groups + gi;
-                    int R = (int)(N - n < AMX_ROWS ? N - n : AMX_ROWS);
-                    tile_amx(fmt, nb, w->qt + g * nb * tile_bytes(fmt), w->dt + g * nb * AMX_ROWS,
-                             fmt == FMT_Q4 ? w->mt + g * nb * AMX_ROWS : NULL, R, T, chunks, fused, a->xq + row * Kp,
-                             hi ? a->xq2 + row * Kp : NULL, Kp, a->xd + row * ns, a->xs + row * ns, ns, y + row * N + n,
-                             N, acc, sums);
-                }
+        char *sums = (char *)(((uintptr_t)a->sums + 2047) & ~(uintptr_t)2047) + amx_sum_span(2 * Mp) * (size_t)tid;
+        if (lo < up) amx_config(T, hi);
+        for (int64_t l = 0; l < L && lo < up; l++)
+            for (int64_t gi = lo; gi < up; gi++) {
+                int64_t n = gi * AMX_ROWS, g = l * groups + gi;
+                int R = (int)(N - n < AMX_ROWS ? N - n : AMX_ROWS);
+                tile_amx(fmt, nb, w->qt + g * nb * tile_bytes(fmt), w->dt + g * nb * AMX_ROWS,
+                         fmt == FMT_Q4 ? w->mt + g * nb * AMX_ROWS : NULL, R, T, (int)chunks, (int)M, hi,
+                         a->xq + step * l * Mp * Kp, Kp, a->xd + l * Mp * ns, a->xs + l * Mp * ns, ns,
+                         y + l * M * N + n, N, acc, sums);
             }
-        }
         amx_release();
     }
 #endif
@@ -1156,8 +1294,13 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nar
     team_t team = {0, 0};
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel num_threads(nthreads)
+    {
+#ifdef LP_PHASES
+    ph_start(omp_get_thread_num());
+#endif
     linear_team(&w, M, (const float *)(intptr_t)a[12], (float *)(intptr_t)a[13], pre, (const float *)(intptr_t)a[15],
                 (int)a[16], (float)eps, 0, &act, omp_get_thread_num(), omp_get_num_threads(), &team);
+    }
     Py_END_ALLOW_THREADS
     free(buf);
     Py_RETURN_NONE;
@@ -1257,9 +1400,10 @@ AVX2_FN static float max_avx2(const float *x, int64_t n) {
 
 /* tmp[k] = silu(x[k]) * x[K + k]: silu(g) = g * s, the sigmoid s = 1 / (1 + e) for g >= 0 and e / (1 + e)
  * below, e = exp(-|g|) (so the polynomial only sees arguments <= 0, where it holds) */
-AVX2_FN static void swiglu_avx2(const float *x, int64_t K, float *tmp) {
+/* from value k0 on (the ones before it done) */
+AVX2_FN static void swiglu_avx2_from(const float *x, int64_t K, float *tmp, int64_t k0) {
     const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-    int64_t k = 0;
+    int64_t k = k0;
     for (; k + 8 <= K; k += 8) {
         __m256 g = _mm256_loadu_ps(x + k), u = _mm256_loadu_ps(x + K + k);
         __m256 e = exp_avx2(_mm256_or_ps(g, sign)), r = _mm256_div_ps(one, _mm256_add_ps(one, e));
@@ -1267,6 +1411,39 @@ AVX2_FN static void swiglu_avx2(const float *x, int64_t K, float *tmp) {
         _mm256_storeu_ps(tmp + k, _mm256_mul_ps(_mm256_mul_ps(g, s), u));
     }
     for (; k < K; k++) tmp[k] = swiglu1(x[k], x[K + k]);
+}
+
+AVX2_FN static void swiglu_avx2(const float *x, int64_t K, float *tmp) { swiglu_avx2_from(x, K, tmp, 0); }
+
+/* exp_avx2 and swiglu_avx2 on 16 values at a time: the same operations per value, so the same results */
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512dq"))) static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512dq"))) static void swiglu512(const float *x, int64_t K,
+                                                                                        float *tmp) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m512 g = _mm512_loadu_ps(x + k), u = _mm512_loadu_ps(x + K + k);
+        __m512 e = exp512(_mm512_or_ps(g, _mm512_set1_ps(-0.0f))), r = _mm512_div_ps(one, _mm512_add_ps(one, e));
+        __m512 s = _mm512_mask_mul_ps(r, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), e, r);
+        _mm512_storeu_ps(tmp + k, _mm512_mul_ps(_mm512_mul_ps(g, s), u));
+    }
+    swiglu_avx2_from(x, K, tmp, k);
 }
 
 /* sc[t] = exp(sc[t] - mx) for t < n; returns their sum. */
@@ -2018,6 +2195,9 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 #pragma omp parallel num_threads(threads < nthreads ? threads : nthreads)
     {
         int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+#ifdef LP_PHASES
+        ph_start(tid);
+#endif
         for (int64_t i = 0; i < layers; i++) {
             const int64_t *p = plan + i * PLAN;
             packed_t wqkv = packed_from(p + PL_WQKV), wo = packed_from(p + PL_WO);
@@ -2039,6 +2219,28 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     ladder_record(rung, now_ms() - t0);
     free(buf);
     free(ats);
+    Py_RETURN_NONE;
+}
+
+/* pre_row(pre, x, K, level, out, g, eps): one row as a product sees it, by the loops of one level (0: the
+ * scalar ones, 1: AVX2, 2: AVX-512 where they differ; a level the CPU lacks is refused). The tests hold
+ * the levels to the same values bit for bit. */
+static PyObject *py_pre_row(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t a[6];
+    if (args_i64(args, nargs - 1, 6, a) < 0) return NULL;
+    double eps = PyFloat_AsDouble(args[6]);
+    if (eps == -1.0 && PyErr_Occurred()) return NULL;
+    int pre = (int)a[0], level = (int)a[3];
+    int64_t K = a[2];
+    const float *x = (const float *)(intptr_t)a[1], *g = (const float *)(intptr_t)a[5];
+    float *out = (float *)(intptr_t)a[4];
+    int top = pre_level();
+    if ((pre != PRE_RMSNORM && pre != PRE_SWIGLU) || level < 0 || level > top || K < 1) {
+        PyErr_Format(PyExc_ValueError, "pre_row: pre %d at level %d (this CPU's kernels go to %d)", pre, level, top);
+        return NULL;
+    }
+    const float *r = pre_row(pre, x, K, g, (float)eps, out, level);
+    if (r != out) memcpy(out, r, sizeof(float) * (size_t)K);
     Py_RETURN_NONE;
 }
 
@@ -2171,6 +2373,10 @@ static PyObject *py_use(PyObject *self, PyObject *arg) {
 }
 
 static PyMethodDef METHODS[] = {
+    {"pre_row", (PyCFunction)(void (*)(void))py_pre_row, METH_FASTCALL, "A row as a product sees it (tests)."},
+#ifdef LP_PHASES
+    {"phases", (PyCFunction)py_phases, METH_NOARGS, ""},
+#endif
     {"pack", (PyCFunction)(void (*)(void))py_pack, METH_FASTCALL, "pack(fmt, rows, K, Kp, src, qs, d, m)"},
     {"unpack", (PyCFunction)(void (*)(void))py_unpack, METH_FASTCALL, "unpack(fmt, rows, K, Kp, qs, d, m, dst)"},
     {"top2", (PyCFunction)(void (*)(void))py_top2, METH_FASTCALL,
