@@ -31,7 +31,8 @@ QUICK = {"decode": ["--rounds", "1", "--new-tokens", "4", "--ours", "eager", "--
          "batching": ["--rows", "1,4", "--users", "1,4", "--tokens", "16", "--join-tokens", "300",
                       "--passn-problems", "1", "--dtp-users", "1,2", "--dtp-tokens", "8"],
          "serving": ["--loads", "2", "--requests", "4"],
-         "spec": ["--edits", "4", "--plain", "1", "--tokens", "32", "--plain-tokens", "16", "--cost-rounds", "1"]}
+         "spec": ["--edits", "4", "--plain", "1", "--tokens", "32", "--plain-tokens", "16", "--cost-rounds", "1",
+                  "--repeat", "1"]}
 QUICK["load"] = QUICK["serving"]
 
 

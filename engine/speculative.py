@@ -47,10 +47,11 @@ MATCH_MAX = 16  # how far back a match's length is measured
 K_START = K_MAX = 15
 # What a verify of S rows costs in one-token decode steps is about 1 + ROW_COST * (S - 1): measured on the
 # embedded default, CPU int4, 2 cores with AVX-512 VNNI (1 row 6.2 ms, 4 rows 12.1 ms, 9 rows 25.4 ms, 16
-# rows 46 ms: the integer products are arithmetic-bound). On AMX tiles a row costs ~0.15-0.2 (1.58-1.85,
-# 2.27-2.57 and 3.66-4.13 steps at S = 4, 8, 16); replayed over the edit corpus, a rule that picks the
-# draft count from such costs and per-match-length acceptance drafts no better than the match-length rule
-# here (1.64x against 1.63x), so the rule does not depend on the kernel.
+# rows 46 ms: the integer products are arithmetic-bound). On the AMX tiles a row costs ~0.12-0.2 up to 8 rows
+# and a second tile chunk from the 9th (1.42-1.54, 2.12-2.35 and 3.65-3.95 steps at S = 4, 8, 16 on Sapphire
+# Rapids, 2 cores); replayed over the edit corpus, a rule that picks the draft count from such costs and
+# per-match-length acceptance drafted no better than the match-length rule here (1.64x against 1.63x), so
+# the rule does not depend on the kernel.
 ROW_COST = 0.37
 # Beside other requests every draft row makes the step dearer for all of them, so "auto" drafts there only
 # while the request keeps at least SHARED_KEEP of its drafts (kept_share, each verify weighing SHARE_DECAY

@@ -34,14 +34,15 @@ def test_quick_spec_bench_writes_its_json_and_table(tmp_path, monkeypatch):
     assert [r["kind"] for r in d["rows"]["edits"]] == list(spec.KINDS)
     for r in d["rows"]["edits"] + d["rows"]["plain"]:
         assert r["off_tps"] > 0 and r["on_tps"] > 0 and r["accepted_tokens"] <= r["draft_tokens"]
-        assert r["decode_steps"] + r["accepted_tokens"] == r["tokens"] - 1
+        assert r["decode_steps"] + r["accepted_tokens"] == r["tokens"] - 1 and r["repeatable"]
         if lowbit.available() and d["dtype"] == "int4":
             assert r["same_tokens"], r  # the fused verify is bit for bit the decode steps
     assert d["edits"]["acceptance"] is not None
     if d["verify_costs_ms"]:
         assert len(d["verify_costs_ms"]) == K_MAX + 1 and all(c > 0 for c in d["verify_costs_ms"])
         assert all(r["hindsight"] is None or r["hindsight"] >= 1.0 for r in d["rows"]["edits"])
-    assert "| edits (HumanEval) | 4 |" in spec_table(d)
+    assert "| edits (HumanEval) | 4 |" in spec_table(d) and d["repeat"] == 1 and "fastest" not in spec_table(d)
+    assert "each mode's fastest of 3 interleaved runs a prompt" in spec_table({**d, "repeat": 3})
 
 
 def test_hindsight_verifies_exactly_what_will_be_kept():
@@ -53,3 +54,16 @@ def test_hindsight_verifies_exactly_what_will_be_kept():
     assert spec.hindsight([1, 2, 3], [7, 8, 9, 10], costs) == 1.0  # nothing to look up: plain steps
     # a draft kept alone is not worth a verify that costs as much as the two plain steps it saves
     assert spec.hindsight([5, 6, 5, 6], [5, 6, 9], [1.0, 2.0, 3.0]) == 1.0
+
+
+def test_replay_prices_autos_own_drafts_and_stays_under_hindsight():
+    from types import SimpleNamespace
+
+    runner = SimpleNamespace(verify=lambda *a: None)  # a runner with a verify step (and cheap rows)
+    costs = [1.0 + 0.15 * (S - 1) for S in range(1, K_MAX + 2)]
+    line = list(range(100, 140))
+    assert spec.replay(runner, [1, 2, 3], [7, 8, 9, 10], costs, 16) == 1.0  # nothing repeats: plain steps
+    copy = spec.replay(runner, line, line, costs, 64)
+    assert 1.5 < copy <= spec.hindsight(line, line, costs)
+    # dearer rows lower the rule's ratio on the same tokens
+    assert spec.replay(runner, line, line, [1.0 + 0.6 * (S - 1) for S in range(1, K_MAX + 2)], 64) < copy
