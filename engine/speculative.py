@@ -13,14 +13,14 @@ being kept is above that. The match length predicts it well: over the HumanEval 
 `laneplay bench spec` on the embedded default, a one-token match's first draft was kept 25% of the
 time, a two-token match's 46%, and from three tokens on the first draft was kept 80-95% of the time
 and the eighth 33-68%. So "auto" drafts one token on a one-token match (while it keeps ONE_KEEP of its
-drafts lately), 2 tokens on a match of two, and 2m (up to AUTO_MAX) on a longer one ("lookup" drafts
-up to K_MAX on every match), and `Controller` caps that
+drafts lately), 2 tokens on a match of two, 2m (up to AUTO_MAX) on a longer one, and AUTO_LONG from
+LONG_MATCH tokens on ("lookup" drafts up to K_MAX on every match), and `Controller` caps that
 by the request's recent acceptance: K_MAX at first and while every draft is kept, falling to what was
 kept plus one (or half, if more) when one is not, doubling again on a verify that keeps all. Plain
 completion then seldom drafts and never pays much for it. Replayed over the corpus's greedy tokens with
-verify costs measured on the 2-core host, these counts beat the earlier ones: 2 drafts on a match of
-three and up to K_MAX on longer ones by 7% on edits with the AMX tiles' costs (5% with the costs they
-had before their rows got cheaper, 2% with the VNNI kernel's), and within 1% on plain completions.
+verify costs measured on the 2-core host, these counts beat the earlier ones (2 drafts on a match of
+three and up to K_MAX on longer ones) by 8% on edits with the AMX tiles' costs and 1.5% with the VNNI
+kernel's, and are within 1% on plain completions (AUTO_MAX).
 
 Exactness: greedy keeps a draft token only where it is the argmax, so the tokens are the plain
 greedy ones wherever the verify's logits equal a decode step's (bit for bit on the one-lane low-bit
@@ -81,13 +81,20 @@ SOLO_KEEP, SOLO_DRAFTS, SOLO_ROWS = 0.9, 2, (3, 4)
 
 # The most drafts "auto" verifies: a verify of AUTO_MAX + 1 = 8 rows is one chunk on the AMX tiles (8 rows with
 # their rests in 16 tile rows), and the 9th starts a second one (measured on the embedded default, 2 cores:
-# 8 rows 2.1-2.2 decode steps, 9 rows 2.8-3.0), while the eighth draft of a long match is kept only 33-68%
-# of the time; replayed over the edit corpus, a cap of 7 beat 11 and 15 with every kernel's costs.
-AUTO_MAX = 7
+# 8 rows 2.1-2.4 decode steps, 9 rows 2.7-3.1), while the eighth draft of a match of 3-5 tokens is kept only
+# 33-68% of the time; from a match of LONG_MATCH tokens on, where drafts are kept 90-97% of the time, a
+# second chunk pays: AUTO_LONG drafts. Replayed over the edit corpus with the costs of nine bench runs on
+# the tiles (mean over the runs): a cap of 7 on every match 1.78x, of 11 1.71x, of 15 1.67x (the rule
+# before, 2 drafts on a three-token match and up to 15: 1.68x); 11 from a 12-token match on 1.81x (from 16
+# tokens 1.80x, 15 drafts from 12 1.78x). With the VNNI kernel's costs 1.35x against the rule before's
+# 1.33x; plain completions within 1% everywhere.
+AUTO_MAX, AUTO_LONG, LONG_MATCH = 7, 11, 12
 
 
 def trusted(m: int) -> int:
     """How many drafts a match of m tokens is worth in "auto" (see the module's docstring)."""
+    if m >= LONG_MATCH:
+        return AUTO_LONG
     return 0 if m < 1 else 1 if m == 1 else 2 if m == 2 else min(AUTO_MAX, 2 * m)
 
 

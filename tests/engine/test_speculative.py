@@ -15,7 +15,8 @@ from laneplay.engine.checkpoint import (load_weights, open_checkpoint, random_la
                                         tiny_laneformer_config, write_checkpoint)
 from laneplay.engine.model import LaneModel
 from laneplay.engine.sampling import process_logits
-from laneplay.engine.speculative import (AUTO_MAX, K_MAX, MATCH_MAX, NGRAMS, ONE_KEEP, SHARE_DECAY, SHARED_KEEP, Controller,
+from laneplay.engine.speculative import (AUTO_LONG, AUTO_MAX, K_MAX, LONG_MATCH, MATCH_MAX, NGRAMS, ONE_KEEP,
+                                         SHARE_DECAY, SHARED_KEEP, Controller,
                                          Lookup, Speculation, check_mode, draw, plan, trusted)
 from tests.engine.naive_reference import naive_logits
 
@@ -60,14 +61,15 @@ def test_lookup_on_code_proposes_the_rest_of_a_copied_line_and_says_how_long_the
 
 
 def test_auto_drafts_what_the_match_is_worth_and_follows_the_acceptance():
-    assert [trusted(m) for m in range(6)] == [0, 1, 2, 6, 7, 7] and trusted(MATCH_MAX) == AUTO_MAX < K_MAX
+    assert [trusted(m) for m in range(6)] == [0, 1, 2, 6, 7, 7] and trusted(LONG_MATCH - 1) == AUTO_MAX
+    assert trusted(LONG_MATCH) == trusted(MATCH_MAX) == AUTO_LONG < K_MAX
     assert Controller("auto", one_token=False).want(1) == 0  # where a verify row is dear: not on one token
     one = Speculation("auto", [5, 6, 7, 8, 6], SamplingParams(temperature=0.0))  # 6 again: a one-token match
     assert one.lookup.draft(3) == ([7, 8, 6], 1) and one.drafts(room=16) == [7]
     assert one.drafts(room=16, shared=True) == [] and one.paused_steps == 0  # beside others: none, no pause
     ctl = Controller("auto")
     assert ctl.want(0) == 0 and ctl.want(1) == 1  # a one-token match: one draft, while drafts are kept
-    assert ctl.want(2) == 2 and ctl.want(3) == 6 and ctl.want(MATCH_MAX) == AUTO_MAX  # the start: the match's worth
+    assert ctl.want(2) == 2 and ctl.want(3) == 6 and ctl.want(MATCH_MAX) == AUTO_LONG  # the start: the match's worth
     ctl.record(K_MAX, 3)  # three kept: half of k is more than kept + 1
     assert ctl.k == K_MAX // 2
     ks = []
@@ -75,9 +77,9 @@ def test_auto_drafts_what_the_match_is_worth_and_follows_the_acceptance():
         ctl.record(ctl.k, 0)
         ks.append(ctl.k)
     assert ks == [K_MAX // 4, 1, 1]
-    for _ in range(4):  # a run of kept drafts grows k back to K_MAX ("auto" takes AUTO_MAX of it)
+    for _ in range(4):  # a run of kept drafts grows k back to K_MAX ("auto" takes what the match is worth)
         ctl.record(ctl.k, ctl.k)
-    assert ctl.k == K_MAX and ctl.want(MATCH_MAX) == AUTO_MAX and ctl.want(4) == trusted(4)
+    assert ctl.k == K_MAX and ctl.want(MATCH_MAX) == AUTO_LONG and ctl.want(4) == trusted(4)
     # "lookup" drafts on every match, even one token long
     always = Controller("lookup")
     assert always.want(1) == K_MAX and always.want(0) == 0
@@ -94,7 +96,7 @@ def test_beside_others_auto_drafts_while_its_drafts_are_kept_and_resumes_where_t
     d = spec.drafts(room=16, shared=True)
     assert spec.control.kept_share == 1.0 and d  # trusted until a verify is seen
     after = [7] + line  # what followed the line's earlier occurrence
-    assert d == after[:AUTO_MAX] and lookup.drafts(room=16, shared=True) == after[:K_MAX]  # "lookup": up to K_MAX
+    assert d == after[:AUTO_LONG] and lookup.drafts(room=16, shared=True) == after[:K_MAX]  # "lookup": up to K_MAX
     spec.produced(spec.accept(_logits_for([999] * (len(d) + 1)), d, torch.Generator()))  # every draft rejected
     assert spec.control.kept_share < SHARED_KEEP and not spec.paused and spec.paused_steps == 0
     # the text repeats again: plain rows beside others while the shadowed first drafts are kept
