@@ -1198,7 +1198,11 @@ static void linear_team(const packed_t *w, int64_t M, const float *x, float *y, 
     int64_t lo, up, chunks = 1;
     /* on the tiles: chunks of T rows, each lane's rows padded to Mp (amx_chunks), each row's rests right
      * after its codes (tile_amx: `pairs`) */
+#ifdef LP_X86
     const int T = amx ? amx_chunks(M, hi, &chunks) : 0;
+#else
+    const int T = 0;
+#endif
     const int64_t Mp = amx ? T * chunks : M, step = amx && hi ? 2 : 1;
     if (tid < nw) {
         float *mine = a->tmp + (pre != PRE_NONE ? K * tid : 0);
