@@ -555,3 +555,24 @@ def test_the_amx_tiles_and_the_vnni_kernel_agree_bit_for_bit(bits, fmt, lanes, m
     assert torch.equal(tiles, vnni) and torch.equal(again[0], tiles[:, order]) and torch.equal(again[1], tiles)
     for i in range(lanes):
         assert ((tiles[i] - x[i] @ w[i].T).abs() <= _act_error_bound(x[i], w[i], bits)).all()
+
+
+def test_the_portable_c_path_compiles_without_x86(tmp_path):
+    """The extension's non-x86 build (no intrinsics, no AMX): every x86-only helper must stay behind LP_X86.
+    Compiled here with the x86 detection switched off, warnings as errors."""
+    import shutil
+    import subprocess
+    import sysconfig
+    from pathlib import Path
+
+    cc = shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    src = (Path(__file__).resolve().parents[2] / "kernels" / "lowbit.c").read_text()
+    marker = "#if defined(__x86_64__) || defined(__i386__)"
+    assert marker in src
+    (tmp_path / "portable.c").write_text(src.replace(marker, "#if 0", 1))
+    r = subprocess.run([cc, "-fsyntax-only", "-Wall", "-Werror", "-fopenmp", "-std=gnu11",
+                        f"-I{sysconfig.get_paths()['include']}", str(tmp_path / "portable.c")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
