@@ -1032,34 +1032,8 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-#ifdef LP_PHASES
-static double PH_WORK[2][64], PH_WAIT[2][64];
-static double PH_LAST[2];
-static int PH_IDX[2];
-static double ph_now(void) { struct timespec ts; clock_gettime(CLOCK_MONOTONIC, &ts); return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3; }
-static void ph_start(int tid) { PH_IDX[tid] = 0; PH_LAST[tid] = ph_now(); }
-static PyObject *py_phases(PyObject *self, PyObject *noargs) {
-    PyObject *l = PyList_New(0);
-    for (int t = 0; t < 2; t++) for (int i = 0; i < 64; i++) { PyList_Append(l, PyFloat_FromDouble(PH_WORK[t][i])); PyList_Append(l, PyFloat_FromDouble(PH_WAIT[t][i])); PH_WORK[t][i] = PH_WAIT[t][i] = 0; }
-    return l;
-}
-#endif
-static void team_sync_(team_t *t, int nth);
+/* Every one of the nth threads calls it; none returns before all have arrived. */
 static void team_sync(team_t *t, int nth) {
-#ifdef LP_PHASES
-    int tid = omp_get_thread_num();
-    double a = ph_now();
-    int k = PH_IDX[tid] < 11 * 30 ? PH_IDX[tid] % 11 : 20 + (PH_IDX[tid] - 11 * 30) % 20;
-    PH_WORK[tid][k] += a - PH_LAST[tid];
-    team_sync_(t, nth);
-    PH_LAST[tid] = ph_now();
-    PH_WAIT[tid][k] += PH_LAST[tid] - a;
-    PH_IDX[tid]++;
-#else
-    team_sync_(t, nth);
-#endif
-}
-static void team_sync_(team_t *t, int nth) {
     if (nth == 1) return;
     int phase = atomic_load_explicit(&t->phase, memory_order_relaxed);
     if (atomic_fetch_add_explicit(&t->arrived, 1, memory_order_acq_rel) == nth - 1) {
@@ -1298,13 +1272,8 @@ static PyObject *py_linear(PyObject *self, PyObject *const *args, Py_ssize_t nar
     team_t team = {0, 0};
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel num_threads(nthreads)
-    {
-#ifdef LP_PHASES
-    ph_start(omp_get_thread_num());
-#endif
     linear_team(&w, M, (const float *)(intptr_t)a[12], (float *)(intptr_t)a[13], pre, (const float *)(intptr_t)a[15],
                 (int)a[16], (float)eps, 0, &act, omp_get_thread_num(), omp_get_num_threads(), &team);
-    }
     Py_END_ALLOW_THREADS
     free(buf);
     Py_RETURN_NONE;
@@ -2199,9 +2168,6 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 #pragma omp parallel num_threads(threads < nthreads ? threads : nthreads)
     {
         int tid = omp_get_thread_num(), nth = omp_get_num_threads();
-#ifdef LP_PHASES
-        ph_start(tid);
-#endif
         for (int64_t i = 0; i < layers; i++) {
             const int64_t *p = plan + i * PLAN;
             packed_t wqkv = packed_from(p + PL_WQKV), wo = packed_from(p + PL_WO);
@@ -2378,9 +2344,6 @@ static PyObject *py_use(PyObject *self, PyObject *arg) {
 
 static PyMethodDef METHODS[] = {
     {"pre_row", (PyCFunction)(void (*)(void))py_pre_row, METH_FASTCALL, "A row as a product sees it (tests)."},
-#ifdef LP_PHASES
-    {"phases", (PyCFunction)py_phases, METH_NOARGS, ""},
-#endif
     {"pack", (PyCFunction)(void (*)(void))py_pack, METH_FASTCALL, "pack(fmt, rows, K, Kp, src, qs, d, m)"},
     {"unpack", (PyCFunction)(void (*)(void))py_unpack, METH_FASTCALL, "unpack(fmt, rows, K, Kp, qs, d, m, dst)"},
     {"top2", (PyCFunction)(void (*)(void))py_top2, METH_FASTCALL,
