@@ -288,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         edit_rows, edits = measure(engine, edit_corpus(args.edits), True, args.tokens, costs, args.repeat)
         plain_rows, plain = [], None
         if args.plain:
-            print(f"plain completions ({args.plain}, greedy, up to {args.plain_tokens} tokens):", flush=True)
+            print(f"plain completions ({args.plain}, greedy, up to {args.plain_tokens} tokens, best of {args.repeat} "
+                  "runs a mode):", flush=True)
             plain_rows, plain = measure(engine, plain_corpus(args.plain), False, args.plain_tokens, costs, args.repeat)
         after = check_quiet(True, "after")
         table = [{"set": "edits", **edits}] + ([{"set": "plain completions", **plain}] if plain else [])
@@ -298,7 +299,8 @@ def main(argv: list[str] | None = None) -> int:
                             ("tokens_per_step", "tokens/step", ".2f"), ("same_tokens", "same tokens", "d"),
                             ("median_replay", "replay x", ".2f"), ("median_hindsight", "hindsight x", ".2f")])
         path = write_json("spec", {
-            "schema": 1, "model": args.model, "repeat": args.repeat, "dtype": engine.runtime.dtype, "device": str(engine.device),
+            "schema": 1, "model": args.model, "repeat": args.repeat, "dtype": engine.runtime.dtype,
+            "device": str(engine.device),
             "quiet": quiet, "quiet_after": after, "noisy": not (quiet["quiet"] and after["quiet"]),
             "goals": {"edits_median_speedup": 1.8, "plain_median_speedup": 0.97},
             "verify_costs_ms": costs, "edits": edits, "plain": plain, "rows": {"edits": edit_rows, "plain": plain_rows}}, args.out)
