@@ -940,8 +940,6 @@ enum { PRE_NONE = 0, PRE_RMSNORM = 1, PRE_SWIGLU = 2 };
 static inline float swiglu1(float gate, float up) { return gate / (1.0f + expf(-gate)) * up; }
 #ifdef LP_X86
 AVX2_FN static void swiglu_avx2(const float *x, int64_t K, float *tmp);
-__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512dq"))) static void swiglu512(const float *x, int64_t K,
-                                                                                        float *tmp);
 #endif
 
 /* The sum of squares an RMSNorm takes, in double (each square exact): element k goes to partial sum k % 16,
@@ -976,9 +974,8 @@ AVX2_FN static double sum_squares_avx2(const float *x, int64_t K) {
 #endif
 
 /* The row the product sees. RMSNorm: x * rsqrt(mean(x^2) + eps) * g (g one vector, or one per lane).
- * SwiGLU: the input row holds [gate | up] (2K values): silu(gate) * up; from level 1 (pre_level: the
- * kernels other than the generic one) 8 values at a time (level 2, AVX-512: 16, the same operations per
- * value), exp from a polynomial (relative error ~2e-7). */
+ * SwiGLU: the input row holds [gate | up] (2K values): silu(gate) * up; at level 1 (pre_level: the
+ * kernels other than the generic one) 8 values at a time, exp from a polynomial (relative error ~2e-7). */
 static const float *pre_row(int pre, const float *x, int64_t K, const float *g, float eps, float *tmp, int level) {
     if (pre == PRE_NONE) return x;
     if (pre == PRE_RMSNORM) {
@@ -993,7 +990,7 @@ static const float *pre_row(int pre, const float *x, int64_t K, const float *g, 
     }
 #ifdef LP_X86
     if (level) {
-        (level == 2 ? swiglu512 : swiglu_avx2)(x, K, tmp);
+        swiglu_avx2(x, K, tmp);
         return tmp;
     }
 #endif
@@ -1001,15 +998,8 @@ static const float *pre_row(int pre, const float *x, int64_t K, const float *g, 
     return tmp;
 }
 
-/* The loops pre_row takes: 0 the scalar ones (the generic kernel), 1 AVX2, 2 AVX-512 (TILE16: the VNNI and
- * AMX kernels) */
-static int pre_level(void) {
-#ifdef LP_X86
-    return TILE16 ? 2 : DOT != dot_generic ? 1 : 0;
-#else
-    return 0;
-#endif
-}
+/* The loops pre_row takes: 0 the scalar ones (the generic kernel), 1 AVX2 (every other kernel) */
+static int pre_level(void) { return DOT != dot_generic; }
 
 /* ---- the team: one OpenMP region per call, with our own barrier inside it -------------------------
  * A decode step is ~100 short phases (a product, the attention, ...), each ending where every thread
@@ -1373,10 +1363,9 @@ AVX2_FN static float max_avx2(const float *x, int64_t n) {
 
 /* tmp[k] = silu(x[k]) * x[K + k]: silu(g) = g * s, the sigmoid s = 1 / (1 + e) for g >= 0 and e / (1 + e)
  * below, e = exp(-|g|) (so the polynomial only sees arguments <= 0, where it holds) */
-/* from value k0 on (the ones before it done) */
-AVX2_FN static void swiglu_avx2_from(const float *x, int64_t K, float *tmp, int64_t k0) {
+AVX2_FN static void swiglu_avx2(const float *x, int64_t K, float *tmp) {
     const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-    int64_t k = k0;
+    int64_t k = 0;
     for (; k + 8 <= K; k += 8) {
         __m256 g = _mm256_loadu_ps(x + k), u = _mm256_loadu_ps(x + K + k);
         __m256 e = exp_avx2(_mm256_or_ps(g, sign)), r = _mm256_div_ps(one, _mm256_add_ps(one, e));
@@ -1384,39 +1373,6 @@ AVX2_FN static void swiglu_avx2_from(const float *x, int64_t K, float *tmp, int6
         _mm256_storeu_ps(tmp + k, _mm256_mul_ps(_mm256_mul_ps(g, s), u));
     }
     for (; k < K; k++) tmp[k] = swiglu1(x[k], x[K + k]);
-}
-
-AVX2_FN static void swiglu_avx2(const float *x, int64_t K, float *tmp) { swiglu_avx2_from(x, K, tmp, 0); }
-
-/* exp_avx2 and swiglu_avx2 on 16 values at a time: the same operations per value, so the same results */
-__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512dq"))) static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-
-__attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512dq"))) static void swiglu512(const float *x, int64_t K,
-                                                                                        float *tmp) {
-    const __m512 one = _mm512_set1_ps(1.0f);
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        __m512 g = _mm512_loadu_ps(x + k), u = _mm512_loadu_ps(x + K + k);
-        __m512 e = exp512(_mm512_or_ps(g, _mm512_set1_ps(-0.0f))), r = _mm512_div_ps(one, _mm512_add_ps(one, e));
-        __m512 s = _mm512_mask_mul_ps(r, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), e, r);
-        _mm512_storeu_ps(tmp + k, _mm512_mul_ps(_mm512_mul_ps(g, s), u));
-    }
-    swiglu_avx2_from(x, K, tmp, k);
 }
 
 /* sc[t] = exp(sc[t] - mx) for t < n; returns their sum. */
@@ -2193,8 +2149,8 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 }
 
 /* pre_row(pre, x, K, level, out, g, eps): one row as a product sees it, by the loops of one level (0: the
- * scalar ones, 1: AVX2, 2: AVX-512 where they differ; a level the CPU lacks is refused). The tests hold
- * the levels to the same values bit for bit. */
+ * scalar ones, 1: AVX2; a level the CPU's kernels lack is refused). The tests hold the RMSNorm of both
+ * levels to the same values bit for bit. */
 static PyObject *py_pre_row(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     int64_t a[6];
     if (args_i64(args, nargs - 1, 6, a) < 0) return NULL;

@@ -161,13 +161,12 @@ def test_vnni_and_avx2_kernels_agree(bits, fmt, m, n, k):
 
 @pytest.mark.parametrize("k", [1, 7, 8, 15, 16, 17, 24, 40, 576, 1536, 1543])
 def test_the_pre_processing_loops_agree_bit_for_bit(k):
-    """A product's RMSNorm and SwiGLU rows are the same on every loop a kernel takes (the scalar, AVX2 and
-    AVX-512 ones), so a row's value does not depend on the width its kernel processes: the sum of squares
-    is one partial sum per element index mod 16 and one tree at every level; SwiGLU's AVX-512 loop does the
-    AVX2 loop's operations on 16 values."""
+    """A product's RMSNorm row is the same on the scalar and AVX2 loops bit for bit (the sum of squares is
+    one partial sum per element index mod 16 and one tree at both levels), and its SwiGLU row within the
+    polynomial exp's rounding."""
     from laneplay.kernels import _lowbit
 
-    top = 2 if "vnni" in KERNELS else 1 if "avx2" in KERNELS else 0
+    top = 1 if "avx2" in KERNELS else 0
     torch.manual_seed(k)
     x, g, u = torch.randn(k) * 3, torch.rand(k) + 0.5, torch.randn(2 * k) * 4
     u[:4] = torch.tensor([0.0, -0.0, 90.0, -90.0])[:min(4, 2 * k)]  # zero, both signs; exp's clamp
@@ -185,8 +184,6 @@ def test_the_pre_processing_loops_agree_bit_for_bit(k):
     for level in range(1, top + 1):
         assert torch.equal(norms[level], norms[0])
         assert torch.allclose(swi[level], swi[0], rtol=1e-5, atol=1e-5)  # level 0: expf, not the polynomial
-    if top == 2:
-        assert torch.equal(swi[2], swi[1])
     with pytest.raises(ValueError, match="pre_row"):
         row(lowbit.PRE_NONE, x, 0)
     with pytest.raises(ValueError, match="pre_row"):
