@@ -179,12 +179,17 @@ class LocalEngine(Engine):
         return True
 
     def _probe(self) -> dict | None:
+        """Our engine's health once it answers; None before, and while some other process answers on the
+        port (it was free when chosen, and the engine binds it only once its model is loaded: a server that
+        took it meanwhile is not ours, and our engine, failing to bind, exits and starts on another)."""
         try:
             with SyncEngineClient(self.url, timeout_s=1.0, connect_s=1.0) as client:
                 h = client.health()
         except EngineError:
             return None
-        return health_info(h) if h is not None else None
+        if h is None or h.get("pid") != self.proc.pid:
+            return None
+        return health_info(h)
 
     def status(self) -> dict:
         out = super().status()

@@ -34,6 +34,7 @@ import asyncio
 import hmac
 import json
 import math
+import os
 import secrets
 import time
 from contextlib import asynccontextmanager
@@ -637,6 +638,16 @@ class ServerMetrics:
                                 "(completed, cancelled, timeout, dropped, error)", ["outcome"], registry=r)
         self.prompt_tokens = Counter("laneplay_prompt_tokens", "Prompt tokens processed", registry=r)
         self.tokens = Counter("laneplay_generated_tokens", "Completion tokens generated (all samples)", registry=r)
+        # speculation, by the mode requests asked for ("auto", "lookup", "off"): acceptance = accepted / draft
+        # tokens, tokens per decode step = step tokens / decode steps (the tokens after each sample's first,
+        # which the prefill gives)
+        spec = ("speculative",)
+        self.draft_tokens = Counter("laneplay_draft_tokens", "Draft tokens verified (prompt lookup)", spec, registry=r)
+        self.accepted_tokens = Counter("laneplay_accepted_tokens", "Draft tokens the model kept", spec, registry=r)
+        self.decode_steps = Counter("laneplay_decode_steps", "Decode steps of finished requests (after the first "
+                                    "token)", spec, registry=r)
+        self.step_tokens = Counter("laneplay_step_tokens", "Tokens those decode steps gave (all but each sample's "
+                                   "first)", spec, registry=r)
         self.ttft = Histogram("laneplay_time_to_first_token_seconds", "Engine start to first token", registry=r,
                               buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
         self.tpot = Histogram("laneplay_time_per_output_token_seconds", "Time per decode step", registry=r,
@@ -669,6 +680,12 @@ class ServerMetrics:
         self.queue_wait.observe(job.queue_ms / 1000)
         self.prompt_tokens.inc(len(job.ids))
         self.tokens.inc(sum(m.completion_tokens for m in job.finals.values()))
+        if job.finals:
+            rec, asked = speculation_record(job.finals), job.speculative
+            self.draft_tokens.labels(asked).inc(rec["draft_tokens"])
+            self.accepted_tokens.labels(asked).inc(rec["accepted_tokens"])
+            self.decode_steps.labels(asked).inc(rec["decode_steps"])
+            self.step_tokens.labels(asked).inc(sum(max(0, m.completion_tokens - 1) for m in job.finals.values()))
         timing = request_timing(job)
         if timing["ttft_ms"] is not None:
             self.ttft.observe(timing["ttft_ms"] / 1000)
@@ -817,7 +834,7 @@ def create_app(engine, *, api_key: str | None = None, max_queue: int = 32, reque
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": served, "queue_depth": scheduler.depth, "busy": scheduler.busy,
+        return {"status": "ok", "model": served, "pid": os.getpid(), "queue_depth": scheduler.depth, "busy": scheduler.busy,
                 "running": len(scheduler.running), "max_rows": scheduler.max_rows, "max_queue": scheduler.max_queue, "device": str(engine.device), "dtype": engine_dtype(engine),
                 "world_size": getattr(engine, "world_size", 1), "context_length": context,
                 "model_config": model_config}

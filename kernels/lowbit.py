@@ -17,6 +17,8 @@ kept in the tiles' order (`tile_copy`), bit for bit the VNNI kernel's results. L
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -39,6 +41,12 @@ except ImportError as e:  # pragma: no cover - only without a C compiler at inst
     _lowbit, _IMPORT_ERROR = None, e
 else:
     _IMPORT_ERROR = None
+if _lowbit is not None and os.environ.get("LANEPLAY_LOWBIT_KERNEL"):  # a lesser kernel than cpuid's pick
+    try:
+        _lowbit.use(os.environ["LANEPLAY_LOWBIT_KERNEL"])
+    except (ValueError, RuntimeError) as e:
+        raise RuntimeError(f"LANEPLAY_LOWBIT_KERNEL={os.environ['LANEPLAY_LOWBIT_KERNEL']}: {e} (this CPU runs "
+                           f"{', '.join(_lowbit.kernels())})") from None
 _GEMM_MIN_ROWS = [GEMM_MIN_ROWS.get(_lowbit.kernel(), GEMM_MIN_ROWS["generic"]) if _lowbit is not None else 56]
 _TILES = _lowbit is not None and "amx" in _lowbit.kernels()  # weights keep a copy for the tiles
 

@@ -34,3 +34,38 @@ def test_auto_starts_again_once_at_a_size_that_splits_the_model():
                                                        "intermediate_size": 121}}) is False
     assert one.world_size == 1  # nothing splits it: it stays at 1 and says so in its log
     assert LocalEngine("m", world_size=2)._resize(info) is False
+
+
+def test_the_engine_is_the_process_it_started_not_whoever_answers_on_its_port():
+    """The port is free when chosen, but the engine binds it only once its model is loaded: a server that
+    took it meanwhile (another laneplay engine even) is never taken for ours."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    answers = {"pid": 4242}
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"status": "ok", "model": "other", "queue_depth": 0, "device": "cpu",
+                               "pid": answers["pid"]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    http = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=http.serve_forever, daemon=True).start()
+    try:
+        eng = LocalEngine("m")
+        eng.url, eng.proc = f"http://127.0.0.1:{http.server_address[1]}", SimpleNamespace(pid=1234)
+        assert eng._probe() is None  # someone else's engine: not ready
+        answers["pid"] = 1234
+        assert eng._probe()["model"] == "other"  # the process it started: ready
+    finally:
+        http.shutdown()

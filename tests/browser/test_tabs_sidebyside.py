@@ -3,15 +3,13 @@ settings stream at once from one batched request, then "Run tests", "Use this" a
 greedy columns of one code edit, speculation on in one and off in the other, as one request per column."""
 from __future__ import annotations
 
-import json
 import re
 import time
 import urllib.request
 
 import pytest
 
-from laneplay.app.playground import with_logprobs
-from laneplay.app.sidebyside import column_code, engine_requests, settings
+from laneplay.app.sidebyside import column_code
 
 from .conftest import screenshot
 from .test_playground import meter, set_field, wait_state
@@ -160,17 +158,23 @@ def spec_meter(page, column: int) -> dict:
                                                          "m.dataset.acceptance, tokens: Number(m.dataset.tokens)})")
 
 
+COMPLETED = ("laneplay_generations_total", (("outcome", "completed"),))
+
+
 def engine_counts(server) -> dict:
-    """Column 0's request as the tab sends it, straight to the engine: a greedy request's drafts depend on
-    its tokens alone (the controller reads no clock), so its counts are the column's."""
-    shared, cols = settings(2, [0, 0], [1, 1], [0, 0], [0, 1], SPEC_TOKENS, "")
-    (col, body, chat), _ = engine_requests(True, "chat", SPEC_CODE, SPEC_INSTRUCTION, shared, cols, [True, False])
-    assert col == 0 and body["laneplay"] == {"speculative": "lookup"} and chat
-    req = urllib.request.Request(server.status()["url"] + "/v1/chat/completions",
-                                 data=json.dumps(with_logprobs(body, chat)).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())
+    """The engine's /metrics: {(sample, labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(server.status()["url"] + "/metrics", timeout=10) as r:
+        families = text_string_to_metric_families(r.read().decode())
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in families for s in family.samples}
+
+
+def counted(before: dict, after: dict, mode: str) -> dict:
+    """What the engine counted of the requests that asked for this speculation mode, from before to after."""
+    key = lambda name: (f"laneplay_{name}_total", (("speculative", mode),))  # noqa: E731
+    return {name: after.get(key(name), 0) - before.get(key(name), 0)
+            for name in ("draft_tokens", "accepted_tokens", "decode_steps", "step_tokens")}
 
 
 def test_two_greedy_columns_with_speculation_on_and_off_give_the_same_text(server, new_context):
@@ -185,6 +189,7 @@ def test_two_greedy_columns_with_speculation_on_and_off_give_the_same_text(serve
     set_field(page, "sbs-max-tokens", str(SPEC_TOKENS))
     wait_state(page, ["idle"], timeout=30, elem="#sbs-meter-0")
 
+    before = engine_counts(server)
     page.click("#sbs-generate")
     done = [wait_state(page, ["done", "error", "stopped"], elem=f"#sbs-meter-{i}") for i in (0, 1)]
     assert all(m["state"] == "done" and m["tokens"] > 1 for m in done), (done, page.inner_text("#sbs-error"))
@@ -196,13 +201,15 @@ def test_two_greedy_columns_with_speculation_on_and_off_give_the_same_text(serve
     assert texts[0].strip() and texts[0] == texts[1], texts  # greedy is exact, speculating or not
 
     shown, plain = spec_meter(page, 0), spec_meter(page, 1)
-    reply = engine_counts(server)
-    lp, usage = reply["laneplay"], reply["usage"]
-    assert reply["choices"][0]["message"]["content"] == texts[0]
-    assert lp["speculative"] == "lookup" and usage["draft_tokens"] > 0, lp
-    steps, tokens = lp["decode_steps"], usage["completion_tokens"]
-    assert shown["tokens"] == tokens and shown["perStep"] == f"{(tokens - 1) / steps:.3f}", (shown, lp, usage)
-    assert shown["acceptance"] == f"{usage['accepted_tokens'] / usage['draft_tokens']:.3f}", (shown, usage)
+    deadline = time.monotonic() + 10  # the engine counts a request once it has ended
+    while (after := engine_counts(server)).get(COMPLETED, 0) - before.get(COMPLETED, 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    spec, off = counted(before, after, "lookup"), counted(before, after, "off")
+    assert spec["draft_tokens"] > 0 and off["draft_tokens"] == 0 and off["step_tokens"] == plain["tokens"] - 1, \
+        (spec, off, plain)
+    assert shown["tokens"] == spec["step_tokens"] + 1, (shown, spec)
+    assert shown["perStep"] == f"{spec['step_tokens'] / spec['decode_steps']:.3f}", (shown, spec)
+    assert shown["acceptance"] == f"{spec['accepted_tokens'] / spec['draft_tokens']:.3f}", (shown, spec)
     assert float(shown["perStep"]) > 1.0  # the class was drafted from the prompt and kept
     assert plain["perStep"] == "" and plain["acceptance"] == "", plain  # column 1 did not speculate
 

@@ -1,11 +1,13 @@
 """The API's speculation: the "laneplay.speculative" request field, the counts in usage and the final
 "laneplay" object, and the live counts streamed as SSE comments (what the meter shows)."""
+import time
+
 import httpx
 import pytest
 
 from laneplay.engine import SamplingParams
 from laneplay.engine.server import create_app
-from tests.engine.test_server import serve, sse_data
+from tests.engine.test_server import scrape, serve, sse_data
 
 # Code followed by the start of its copy: the lookup finds the rest of it.
 CODE = ("def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n"
@@ -64,3 +66,55 @@ def test_the_stream_carries_the_live_counts_and_they_end_at_the_final_ones(serve
     assert paused_steps == paused == lp["paused_steps"] == 0  # alone: never held back
     assert lp["acceptance"] == round(accepted / drafts, 3)
     assert lp["accepted_per_step"] == round((tokens - 1) / steps, 3) > 1
+
+
+def test_two_requests_at_once_get_the_tokens_one_gets_alone_and_the_metrics_count_their_speculation():
+    """Side by side's case on the CPU default path (int4, fused low-bit step): the same greedy chat request
+    twice at once, one speculating and one not, shares the engine's steps (the verify rows join the other
+    request's row), and each gets the text the request gets alone. /metrics counts what each speculation
+    mode did, as the requests' own counts say."""
+    import threading
+
+    from laneplay.engine import load_engine
+    from laneplay.kernels import lowbit
+
+    code = "class Box:\n" + "".join(f"    def get_{n}(self):\n        return self.{n}\n\n"
+                                    for n in ("alpha", "beta", "gamma", "delta"))
+    content = "Add a docstring to every method of this class. Reply with the whole class.\n\n```python\n" + code + "```"
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 40, "temperature": 0,
+            "logprobs": True, "top_logprobs": 5}
+    engine = load_engine("smollm2-135m-instruct", dtype="int4")
+    try:
+        with serve(create_app(engine, model_name="m")) as url:
+            def ask(mode: str) -> dict:
+                r = httpx.post(url + "/v1/chat/completions", json={**body, "laneplay": {"speculative": mode}},
+                               timeout=120)
+                assert r.status_code == 200, r.text
+                return r.json()
+
+            alone = ask("off")["choices"][0]["message"]["content"]
+            before = scrape(url)
+            replies = {}
+            threads = [threading.Thread(target=lambda m=m: replies.__setitem__(m, ask(m))) for m in ("lookup", "off")]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            done = ("laneplay_generations_total", (("outcome", "completed"),))
+            deadline = time.monotonic() + 10
+            while (after := scrape(url))[done] - before[done] < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
+    finally:
+        engine.close()
+    texts = {m: r["choices"][0]["message"]["content"] for m, r in replies.items()}
+    where = f"kernel {lowbit.kernel_name()} of {lowbit.kernels()}"
+    assert texts["lookup"] == texts["off"] == alone, (where, texts, alone)
+    lp = replies["lookup"]["laneplay"]
+    assert lp["speculative"] == "lookup" and lp["draft_tokens"] > 0 and lp["accepted_per_step"] > 1, lp
+    for mode, reply in replies.items():
+        lp, key = reply["laneplay"], (("speculative", mode),)
+        got = {name: after.get((f"laneplay_{name}_total", key), 0) - before.get((f"laneplay_{name}_total", key), 0)
+               for name in ("draft_tokens", "accepted_tokens", "decode_steps", "step_tokens")}
+        assert got == {"draft_tokens": lp["draft_tokens"], "accepted_tokens": lp["accepted_tokens"],
+                       "decode_steps": lp["decode_steps"],
+                       "step_tokens": reply["usage"]["completion_tokens"] - 1}, (mode, got, lp)

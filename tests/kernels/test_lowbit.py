@@ -573,3 +573,20 @@ def test_the_portable_c_path_compiles_without_x86(tmp_path):
                         f"-I{sysconfig.get_paths()['include']}", str(tmp_path / "portable.c")],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_the_environment_can_pick_a_lesser_kernel_for_a_process_and_its_engines():
+    import os
+    import subprocess
+    import sys
+
+    code = "from laneplay.kernels import lowbit; print(lowbit.kernel_name(), lowbit.gemm_min_rows())"
+    for name in ("avx2", "generic"):
+        if name not in lowbit.kernels():
+            continue
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "LANEPLAY_LOWBIT_KERNEL": name},
+                             capture_output=True, text=True, timeout=120)
+        assert out.stdout.split() == [name, str(lowbit.GEMM_MIN_ROWS[name])], out.stderr
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "LANEPLAY_LOWBIT_KERNEL": "sse9"},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "LANEPLAY_LOWBIT_KERNEL=sse9" in out.stderr and "this CPU runs" in out.stderr
