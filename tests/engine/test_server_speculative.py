@@ -1,6 +1,7 @@
 """The API's speculation: the "laneplay.speculative" request field, the counts in usage and the final
 "laneplay" object, and the live counts streamed as SSE comments (what the meter shows)."""
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -107,7 +108,9 @@ def test_two_requests_at_once_get_the_tokens_one_gets_alone_and_the_metrics_coun
     finally:
         engine.close()
     texts = {m: r["choices"][0]["message"]["content"] for m, r in replies.items()}
-    where = f"kernel {lowbit.kernel_name()} of {lowbit.kernels()}"
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    cpu = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
+    where = f"{cpu}: kernel {lowbit.kernel_name()} of {lowbit.kernels()}"
     assert texts["lookup"] == texts["off"] == alone, (where, texts, alone)
     lp = replies["lookup"]["laneplay"]
     assert lp["speculative"] == "lookup" and lp["draft_tokens"] > 0 and lp["accepted_per_step"] > 1, lp
