@@ -153,6 +153,26 @@ def open_share(page, new_context, button: str = "#share"):
     return link, viewer
 
 
+def fill_editor(page, selector: str, text: str, attempts: int = 3) -> None:
+    """Type `text` into the code editor at `selector` (a gr.Code) in place of what it holds, and wait until
+    its document is exactly that. Just after a page loads, the editor may not have its first value in
+    place yet: a fill then can land beside that value instead of replacing it (the example code and the
+    new code both in the editor), so a fill that did not take is done again."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    content = page.locator(f"{selector} .cm-content")
+    doc = "el => el.cmTile ? el.cmTile.view.state.doc.toString() : null"
+    for _ in range(attempts):
+        content.fill(text)
+        try:
+            page.wait_for_function(f"([sel, want]) => {{ const el = document.querySelector(sel + ' .cm-content');"
+                                   f" return el && ({doc})(el) === want; }}", arg=[selector, text], timeout=3000)
+            return
+        except PlaywrightTimeout:
+            continue
+    raise AssertionError(f"the editor {selector} holds {content.evaluate(doc)!r}, not {text!r}")
+
+
 def screenshot(page, name: str) -> Path | None:
     """Saves the page as <name>.png in the folder LANEPLAY_SCREENSHOTS names (`make screenshots`); without
     it, nothing is written (None)."""

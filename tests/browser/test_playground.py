@@ -10,7 +10,7 @@ import pytest
 
 from laneplay.app.playground import editor_code
 
-from .conftest import open_share, screenshot
+from .conftest import fill_editor, open_share, screenshot
 
 pytestmark = pytest.mark.slow
 INSTRUCTION = "Write a Python function add(a, b) that returns the sum of a and b."
@@ -58,7 +58,7 @@ def set_field(page, elem_id: str, value: str) -> None:
 
 
 def generate(page, instruction=INSTRUCTION, max_tokens=48, code="def add(a, b):\n"):
-    page.locator("#code .cm-content").fill(code)
+    fill_editor(page, "#code", code)
     page.locator("#instruction textarea").fill(instruction)
     set_field(page, "max-tokens", str(max_tokens))
     page.click("#generate")
@@ -358,7 +358,7 @@ def test_four_browsers_generate_together_and_each_meter_shows_its_wait(server, n
     server.wait_ready()
     for page in pages:
         wait_state(page, ["idle"], timeout=60)
-        page.locator("#code .cm-content").fill("def add(a, b):\n")
+        fill_editor(page, "#code", "def add(a, b):\n")
         page.locator("#instruction textarea").fill(LONG)  # a long task: the answers overlap
         set_field(page, "max-tokens", "64")
     for page in pages:

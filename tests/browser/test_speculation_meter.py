@@ -12,6 +12,7 @@ import pytest
 from laneplay.app.context import request_body
 from laneplay.app.params import sampling
 from laneplay.app.playground import with_logprobs, with_speculation
+from .conftest import fill_editor
 from .test_playground import open_playground, set_field, wait_state
 
 pytestmark = pytest.mark.slow
@@ -34,7 +35,7 @@ def test_the_meter_shows_the_engines_speculation_counts(new_context, server):
     ctx, rec, page = open_playground(new_context, server)
     assert page.is_checked("#speculative input")
     page.locator("#mode input[value=complete]").check()
-    page.locator("#code .cm-content").fill(CODE)
+    fill_editor(page, "#code", CODE)
     assert page.input_value("#temperature input[type=number]") == "0"  # greedy: "auto" speculates it
     set_field(page, "max-tokens", str(MAX_TOKENS))
     page.click("#generate")

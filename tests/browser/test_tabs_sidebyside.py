@@ -12,7 +12,7 @@ import pytest
 
 from laneplay.app.sidebyside import column_code
 
-from .conftest import screenshot
+from .conftest import fill_editor, screenshot
 from .test_playground import meter, set_field, wait_state
 
 pytestmark = pytest.mark.slow
@@ -58,7 +58,7 @@ def open_side_by_side(server, new_context, code: str, instruction: str, shows: s
     page.goto(server.url + "/")
     page.wait_for_selector("#meter")
     server.wait_ready()
-    page.locator("#code .cm-content").fill(code)
+    fill_editor(page, "#code", code)
     page.locator("#instruction textarea").fill(instruction)
     page.get_by_role("tab", name="Side by side").click()
     page.wait_for_function("s => (document.querySelector('#sbs-prompt')?.innerText || '').includes(s)", arg=shows)
@@ -103,10 +103,10 @@ def test_three_columns_stream_as_one_batch_then_test_use_and_share(server, new_c
     assert all(t.strip() for t in texts) and len(set(texts)) == COLUMNS, texts
 
     # Run tests: bad tests are a message and nothing runs; good ones give an outcome from the sandbox.
-    page.locator("#sbs-tests .cm-content").fill("x = 1\n")
+    fill_editor(page, "#sbs-tests", "x = 1\n")
     page.click("#sbs-test-1")
     assert result(page, 1) == "invalid" and "no assert" in page.inner_text("#sbs-result-1")
-    page.locator("#sbs-tests .cm-content").fill(TESTS)
+    fill_editor(page, "#sbs-tests", TESTS)
     page.click("#sbs-test-0")
     assert result(page, 0) in OUTCOMES, page.inner_text("#sbs-result-0")
     show_columns(page)
