@@ -10,7 +10,8 @@ import urllib.request
 
 import pytest
 
-from laneplay.app.sidebyside import column_code
+from laneplay.app.playground import with_logprobs
+from laneplay.app.sidebyside import column_code, engine_requests, settings
 
 from .conftest import fill_editor, screenshot
 from .test_playground import meter, set_field, wait_state
@@ -179,6 +180,18 @@ def engine_counts(server) -> dict:
         return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in families for s in family.samples}
 
 
+def alone(server) -> dict:
+    """Column 0's request as the tab sends it, straight to the engine, alone."""
+    shared, cols = settings(2, [0, 0], [1, 1], [0, 0], [0, 1], SPEC_TOKENS, "")
+    (col, body, chat), _ = engine_requests(True, "chat", SPEC_CODE, SPEC_INSTRUCTION, shared, cols, [True, False])
+    assert col == 0 and body["laneplay"] == {"speculative": "lookup"} and chat
+    req = urllib.request.Request(server.status()["url"] + "/v1/chat/completions",
+                                 data=json.dumps(with_logprobs(body, chat)).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
 def counted(before: dict, after: dict, mode: str) -> dict:
     """What the engine counted of the requests that asked for this speculation mode, from before to after."""
     key = lambda name: (f"laneplay_{name}_total", (("speculative", mode),))  # noqa: E731
@@ -223,6 +236,7 @@ def test_two_greedy_columns_with_speculation_on_and_off_give_the_same_text(serve
     assert shown["perStep"] == f"{spec['step_tokens'] / spec['decode_steps']:.3f}", (shown, spec)
     assert shown["acceptance"] == f"{spec['accepted_tokens'] / spec['draft_tokens']:.3f}", (shown, spec)
     assert float(shown["perStep"]) > 1.0  # the class was drafted from the prompt and kept
+    assert alone(server)["choices"][0]["message"]["content"] == texts[0]  # what the request gets alone
     assert plain["perStep"] == "" and plain["acceptance"] == "", plain  # column 1 did not speculate
 
     # The run is stored with each column's speculation and shown so in its share page.
