@@ -44,6 +44,8 @@ def test_the_engine_is_the_process_it_started_not_whoever_answers_on_its_port():
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     from types import SimpleNamespace
 
+    from laneplay.api_client import SyncEngineClient
+
     answers = {"pid": 4242}
 
     class Health(BaseHTTPRequestHandler):
@@ -64,8 +66,14 @@ def test_the_engine_is_the_process_it_started_not_whoever_answers_on_its_port():
     try:
         eng = LocalEngine("m")
         eng.url, eng.proc = f"http://127.0.0.1:{http.server_address[1]}", SimpleNamespace(pid=1234)
-        assert eng._probe() is None  # someone else's engine: not ready
+        with SyncEngineClient(eng.url, timeout_s=30) as client:
+            assert client.health()["pid"] == 4242  # a laneplay engine answers there...
+        assert eng._probe() is None  # ...but not the one it started: not ready
         answers["pid"] = 1234
-        assert eng._probe()["model"] == "other"  # the process it started: ready
+        info = None
+        for _ in range(20):  # as the supervisor does: ask again (each probe waits 1 s at most)
+            if (info := eng._probe()) is not None:
+                break
+        assert info is not None and info["model"] == "other"  # the process it started: ready
     finally:
         http.shutdown()
