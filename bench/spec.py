@@ -152,6 +152,14 @@ def verify_costs(engine, rows: int, rounds: int = 40) -> list[float] | None:
     return costs
 
 
+def _kept(drafts: list[int], out: list[int], at: int) -> int:
+    """How many of the drafts, from the front, are the greedy tokens out[at:]."""
+    kept = 0
+    while kept < len(drafts) and at + kept < len(out) and drafts[kept] == out[at + kept]:
+        kept += 1
+    return kept
+
+
 def hindsight(prompt_ids: list[int], out: list[int], costs: list[float]) -> float | None:
     """The speed-up of the best prompt-lookup policy with hindsight on these greedy tokens: each step drafts
     from the lookup and verifies exactly the drafts that will be kept, where that costs less than a plain
@@ -163,9 +171,7 @@ def hindsight(prompt_ids: list[int], out: list[int], costs: list[float]) -> floa
     lookup, produced, total = Lookup(prompt_ids + out[:1]), 1, 0.0
     while produced < len(out):
         drafts, _ = lookup.draft(min(len(out) - produced - 1, len(costs) - 1))
-        kept = 0
-        while kept < len(drafts) and drafts[kept] == out[produced + kept]:
-            kept += 1
+        kept = _kept(drafts, out, produced)
         if kept and costs[kept] < (kept + 1) * costs[0]:
             total, new = total + costs[kept], out[produced:produced + kept + 1]
         else:
@@ -198,9 +204,7 @@ def replay(runner, prompt_ids: list[int], out: list[int], costs: list[float], ma
     produced, total = 1, 0.0
     while produced < len(out):
         drafts = spec.drafts(min(max_tokens - produced - 1, K_MAX, len(costs) - 1))
-        kept = 0
-        while kept < len(drafts) and produced + kept < len(out) and drafts[kept] == out[produced + kept]:
-            kept += 1
+        kept = _kept(drafts, out, produced)
         if drafts:
             spec.control.record(len(drafts), kept)
         total += costs[len(drafts)]

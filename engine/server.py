@@ -277,6 +277,11 @@ def _speculative(body: dict) -> str:
     return _ext_choice(body, "speculative", "auto", tuple(sorted(SPECULATIVE_MODES)))
 
 
+def step_tokens(metrics) -> int:
+    """The tokens decode steps gave: all but each sample's first (the prefill gives that one)."""
+    return sum(max(0, m.completion_tokens - 1) for m in metrics)
+
+
 def speculation_record(finals: dict) -> dict:
     """What speculation did for a request (all its choices): the mode that ran ("lookup", or "off" with
     the reason), draft tokens verified, of them accepted, decode steps after the first token, of them the
@@ -285,7 +290,7 @@ def speculation_record(finals: dict) -> dict:
     ms = [m for _, m in sorted(finals.items())]
     drafts, accepted = sum(m.draft_tokens for m in ms), sum(m.accepted_tokens for m in ms)
     steps = sum(m.decode_steps or 0 for m in ms)
-    tokens = sum(max(0, m.completion_tokens - 1) for m in ms)
+    tokens = step_tokens(ms)
     ran = next((m.speculative for m in ms if m.speculative), None)
     return {"speculative": ran, "speculative_reason": next((m.speculative_reason for m in ms if m.speculative_reason), None),
             "draft_tokens": drafts, "accepted_tokens": accepted, "decode_steps": steps,
@@ -685,7 +690,7 @@ class ServerMetrics:
             self.draft_tokens.labels(asked).inc(rec["draft_tokens"])
             self.accepted_tokens.labels(asked).inc(rec["accepted_tokens"])
             self.decode_steps.labels(asked).inc(rec["decode_steps"])
-            self.step_tokens.labels(asked).inc(sum(max(0, m.completion_tokens - 1) for m in job.finals.values()))
+            self.step_tokens.labels(asked).inc(step_tokens(job.finals.values()))
         timing = request_timing(job)
         if timing["ttft_ms"] is not None:
             self.ttft.observe(timing["ttft_ms"] / 1000)

@@ -1073,10 +1073,6 @@ typedef struct {
 
 static int act_hi(void) { return ACT_BITS == 16; }
 
-/* The tiles' per-thread sums (a vector per row for the codes, one for q4's minimum, AMX_SUM's places) when a
- * product runs on them */
-static size_t amx_sum_bytes(int64_t M, int nthreads);
-
 /* The rows a product's scratch holds per lane: M, and on the tiles the last chunk's padding (amx_chunks) */
 static int64_t act_rows(int64_t M) {
 #ifdef LP_X86
@@ -1088,6 +1084,8 @@ static int64_t act_rows(int64_t M) {
     return M;
 }
 
+/* The tiles' per-thread sums (a vector per row for the codes, one for q4's minimum, AMX_SUM's places) when a
+ * product runs on them */
 static size_t amx_sum_bytes(int64_t M, int nthreads) {
 #ifdef LP_X86
     if (USE_AMX && M >= AMX_MIN_ROWS) return amx_sum_span(2 * act_rows(M)) * (size_t)nthreads + 2048;  /* + alignment */

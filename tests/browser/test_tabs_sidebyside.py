@@ -12,6 +12,7 @@ import pytest
 
 from laneplay.app.playground import with_logprobs
 from laneplay.app.sidebyside import column_code, engine_requests, settings
+from tests.engine.test_server import scrape, speculation_counts
 
 from .conftest import fill_editor, screenshot
 from .test_playground import meter, set_field, wait_state
@@ -171,15 +172,6 @@ def engine_idle(server, timeout: float = 30) -> None:
         time.sleep(0.2)
 
 
-def engine_counts(server) -> dict:
-    """The engine's /metrics: {(sample, labels): value}."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(server.status()["url"] + "/metrics", timeout=10) as r:
-        families = text_string_to_metric_families(r.read().decode())
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value for family in families for s in family.samples}
-
-
 def alone(server) -> dict:
     """Column 0's request as the tab sends it, straight to the engine, alone."""
     shared, cols = settings(2, [0, 0], [1, 1], [0, 0], [0, 1], SPEC_TOKENS, "")
@@ -190,13 +182,6 @@ def alone(server) -> dict:
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())
-
-
-def counted(before: dict, after: dict, mode: str) -> dict:
-    """What the engine counted of the requests that asked for this speculation mode, from before to after."""
-    key = lambda name: (f"laneplay_{name}_total", (("speculative", mode),))  # noqa: E731
-    return {name: after.get(key(name), 0) - before.get(key(name), 0)
-            for name in ("draft_tokens", "accepted_tokens", "decode_steps", "step_tokens")}
 
 
 def test_two_greedy_columns_with_speculation_on_and_off_give_the_same_text(server, new_context):
@@ -212,7 +197,7 @@ def test_two_greedy_columns_with_speculation_on_and_off_give_the_same_text(serve
     wait_state(page, ["idle"], timeout=30, elem="#sbs-meter-0")
 
     engine_idle(server)
-    before = engine_counts(server)
+    before = scrape(server.status()["url"])
     page.click("#sbs-generate")
     done = [wait_state(page, ["done", "error", "stopped"], elem=f"#sbs-meter-{i}") for i in (0, 1)]
     assert all(m["state"] == "done" and m["tokens"] > 1 for m in done), (done, page.inner_text("#sbs-error"))
@@ -226,7 +211,8 @@ def test_two_greedy_columns_with_speculation_on_and_off_give_the_same_text(serve
     shown, plain = spec_meter(page, 0), spec_meter(page, 1)
     deadline = time.monotonic() + 10  # the engine counts a request once it has ended, all its counts at once
     while time.monotonic() < deadline:
-        spec, off = counted(before, after := engine_counts(server), "lookup"), counted(before, after, "off")
+        after = scrape(server.status()["url"])
+        spec, off = speculation_counts(before, after, "lookup"), speculation_counts(before, after, "off")
         if spec["draft_tokens"] and off["decode_steps"]:
             break
         time.sleep(0.1)

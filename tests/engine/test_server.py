@@ -67,6 +67,13 @@ def scrape(url, **headers) -> dict:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+def speculation_counts(before: dict, after: dict, mode: str) -> dict:
+    """What /metrics (two `scrape`s) counted of the requests that asked for this speculation mode between them."""
+    key = lambda name: (f"laneplay_{name}_total", (("speculative", mode),))  # noqa: E731
+    return {name: after.get(key(name), 0) - before.get(key(name), 0)
+            for name in ("draft_tokens", "accepted_tokens", "decode_steps", "step_tokens")}
+
+
 def sse_data(lines):
     """The JSON payloads of an SSE stream, up to [DONE]."""
     for line in lines:

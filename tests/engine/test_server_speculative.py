@@ -8,7 +8,7 @@ import pytest
 
 from laneplay.engine import SamplingParams
 from laneplay.engine.server import create_app
-from tests.engine.test_server import scrape, serve, sse_data
+from tests.engine.test_server import scrape, serve, speculation_counts, sse_data
 
 # Code followed by the start of its copy: the lookup finds the rest of it.
 CODE = ("def area(width, height):\n    return width * height\n\n\ndef perimeter(width, height):\n"
@@ -115,9 +115,7 @@ def test_two_requests_at_once_get_the_tokens_one_gets_alone_and_the_metrics_coun
     lp = replies["lookup"]["laneplay"]
     assert lp["speculative"] == "lookup" and lp["draft_tokens"] > 0 and lp["accepted_per_step"] > 1, lp
     for mode, reply in replies.items():
-        lp, key = reply["laneplay"], (("speculative", mode),)
-        got = {name: after.get((f"laneplay_{name}_total", key), 0) - before.get((f"laneplay_{name}_total", key), 0)
-               for name in ("draft_tokens", "accepted_tokens", "decode_steps", "step_tokens")}
+        lp, got = reply["laneplay"], speculation_counts(before, after, mode)
         assert got == {"draft_tokens": lp["draft_tokens"], "accepted_tokens": lp["accepted_tokens"],
                        "decode_steps": lp["decode_steps"],
                        "step_tokens": reply["usage"]["completion_tokens"] - 1}, (mode, got, lp)
